@@ -1,0 +1,19 @@
+"""Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
+
+from lowbit_optim.adamw import AdamW4bit, AdamW8bit
+from lowbit_optim.memory import state_bytes
+from lowbit_optim.optimizer import LowBitAdamW
+from lowbit_optim.quant.formats import FORMATS, QuantFormat
+from lowbit_optim.state import QuantizedState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdamW4bit",
+    "AdamW8bit",
+    "FORMATS",
+    "LowBitAdamW",
+    "QuantFormat",
+    "QuantizedState",
+    "state_bytes",
+]

@@ -1,0 +1,128 @@
+"""The AdamW math, written once in float32, and the per-parameter steps built on it.
+
+``adamw_update`` is the specification: the compiled step, the eager step and the Triton
+kernels compute exactly this, and tests use it as the oracle. It follows
+``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments, ``eps`` added after
+the square root) with one deliberate difference, the non-finite gradient policy: an element
+whose gradient is NaN or ±inf keeps its parameter value and its moments for that step, so a
+bad element never spreads to its quantization block, its tensor or other parameters.
+
+Hyperparameters arrive as 0-d CPU tensors (``lr``, ``step`` float32; betas, eps and weight
+decay float64 so the bias corrections match torch's float64 arithmetic): a compiled graph
+reads them as inputs, so new values never recompile, and a CPU scalar reaches a device
+kernel as an argument, so no per-step host-to-device copy happens.
+"""
+
+import torch
+
+from lowbit_optim.quant.formats import QuantFormat
+
+
+def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
+                 weight_decay, step, maximize: bool):
+    """One AdamW step on float32 values; returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq).
+
+    ``max_exp_avg_sq`` is ``None`` unless amsgrad is on. Pure: inputs are not modified.
+    """
+    grad = -grad if maximize else grad
+    finite = torch.isfinite(grad)
+    safe_grad = torch.where(finite, grad, 0.0)
+
+    # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv),
+    # so that float32 state tracks it to within rounding.
+    new_exp_avg = exp_avg + (1 - beta1) * (safe_grad - exp_avg)
+    new_exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * (safe_grad * safe_grad)
+    second_moment = new_exp_avg_sq
+    new_max = None
+    if max_exp_avg_sq is not None:
+        new_max = torch.maximum(max_exp_avg_sq, new_exp_avg_sq)
+        second_moment = new_max
+
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    step_size = lr / bias_correction1
+    denom = second_moment.sqrt() / bias_correction2_sqrt + eps
+    new_param = param * (1 - lr * weight_decay) - step_size * (new_exp_avg / denom)
+
+    new_param = torch.where(finite, new_param, param)
+    new_exp_avg = torch.where(finite, new_exp_avg, exp_avg)
+    new_exp_avg_sq = torch.where(finite, new_exp_avg_sq, exp_avg_sq)
+    if new_max is not None:
+        new_max = torch.where(finite, new_max, max_exp_avg_sq)
+    return new_param, new_exp_avg, new_exp_avg_sq, new_max
+
+
+def round_to_bfloat16_stochastic(values: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up with probability equal to the dropped fraction.
+
+    Adds 16 random bits below the bfloat16 mantissa and truncates, so E[result] equals the
+    float32 value (unbiased, unlike round-to-nearest, which loses updates smaller than half a
+    bfloat16 ulp). Written with integer ops so it compiles and matches the Triton kernel.
+    """
+    bits = values.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    truncated = (bits + noise) & -65536
+    rounded = truncated.view(torch.float32)
+    # Rounding up can carry a finite value past the largest bfloat16 into inf; keep inf/NaN
+    # inputs as they are and leave finite values finite.
+    return torch.where(torch.isfinite(values), rounded, values).to(torch.bfloat16)
+
+
+def write_param(param: torch.Tensor, values: torch.Tensor, *, stochastic_round: bool) -> None:
+    """Store float32 ``values`` into ``param`` (any float dtype), in place."""
+    if stochastic_round and param.dtype == torch.bfloat16:
+        param.copy_(round_to_bfloat16_stochastic(values))
+    else:
+        param.copy_(values)
+
+
+def fp32_state_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2,
+                          eps, weight_decay, step, maximize: bool, stochastic_round: bool):
+    """The step for parameters below ``min_quant_size``: float32 state, updated in place."""
+    new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
+        param.float(), grad.float(), exp_avg, exp_avg_sq, max_exp_avg_sq,
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+        maximize=maximize,
+    )
+    exp_avg.copy_(new_exp_avg)
+    exp_avg_sq.copy_(new_exp_avg_sq)
+    if max_exp_avg_sq is not None:
+        max_exp_avg_sq.copy_(new_max)
+    write_param(param, new_param, stochastic_round=stochastic_round)
+
+
+def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
+                         exp_avg_sq_scales, max_codes, max_scales, lr, beta1, beta2, eps,
+                         weight_decay, step, *, exp_avg_format: QuantFormat,
+                         exp_avg_sq_format: QuantFormat, maximize: bool,
+                         stochastic_round: bool):
+    """``single_param_adam`` on blocks: dequantize -> ``adamw_update`` -> requantize, in place.
+
+    ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; codes and scales are the
+    inner tensors of the moments' ``QuantizedState``; ``max_codes``/``max_scales`` are
+    ``None`` unless amsgrad is on. Only tensors are taken, so ``torch.compile`` traces it
+    once per state kind and parameter dtype, whatever the parameter's shape.
+    """
+    exp_avg = exp_avg_format.dequantize_blocks(exp_avg_codes, exp_avg_scales)
+    exp_avg_sq = exp_avg_sq_format.dequantize_blocks(exp_avg_sq_codes, exp_avg_sq_scales)
+    max_exp_avg_sq = None
+    if max_codes is not None:
+        max_exp_avg_sq = exp_avg_sq_format.dequantize_blocks(max_codes, max_scales)
+
+    new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
+        param.float(), grad.float(), exp_avg, exp_avg_sq, max_exp_avg_sq,
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+        maximize=maximize,
+    )
+
+    codes, scales = exp_avg_format.quantize_blocks(new_exp_avg)
+    exp_avg_codes.copy_(codes)
+    exp_avg_scales.copy_(scales)
+    codes, scales = exp_avg_sq_format.quantize_blocks(new_exp_avg_sq)
+    exp_avg_sq_codes.copy_(codes)
+    exp_avg_sq_scales.copy_(scales)
+    if max_codes is not None:
+        codes, scales = exp_avg_sq_format.quantize_blocks(new_max)
+        max_codes.copy_(codes)
+        max_scales.copy_(scales)
+    write_param(param, new_param, stochastic_round=stochastic_round)

@@ -1,0 +1,181 @@
+"""``LowBitAdamW``: the drop-in ``torch.optim.AdamW`` whose moments are stored in low bits.
+
+The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats; all
+behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
+moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments, which cost
+little and follow ``torch.optim.AdamW`` to within rounding. Every group's LR is a 0-d CPU
+float32 tensor from construction on (see ``hyperparams``).
+"""
+
+import torch
+from torch.optim import Optimizer
+
+from lowbit_optim import backends
+from lowbit_optim.functional import fp32_state_adamw_step
+from lowbit_optim.hyperparams import (
+    GroupScalars,
+    check_hyperparameters,
+    is_lr_tensor,
+    new_lr_tensor,
+)
+from lowbit_optim.quant.formats import QuantFormat
+from lowbit_optim.state import QuantizedState
+
+MIN_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 4096
+
+
+class LowBitAdamW(Optimizer):
+    """AdamW with blockwise-quantized moments. Subclasses set the two formats."""
+
+    exp_avg_format: QuantFormat
+    exp_avg_sq_format: QuantFormat
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, block_size=None, min_quant_size=4096,
+                 bf16_stochastic_round=False, backend=None):
+        if block_size is None:
+            block_size = self.exp_avg_format.default_block_size
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, block_size=block_size, min_quant_size=min_quant_size,
+            bf16_stochastic_round=bf16_stochastic_round,
+        )
+        self.backend = backends.resolve_backend(backend)
+        self._group_scalars: list[GroupScalars] = []
+        self._tail_scratch = backends.TailScratch()
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("bf16_stochastic_round", False)
+            group.setdefault("block_size", self.exp_avg_format.default_block_size)
+            group.setdefault("min_quant_size", 4096)
+
+    # --- param groups -------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        candidate = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._check_group(candidate)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for param in params:
+            if isinstance(param, torch.Tensor) and param.is_complex():
+                raise ValueError(
+                    f"{type(self).__name__} does not support complex parameters "
+                    f"(got one of shape {tuple(param.shape)}, dtype {param.dtype}); "
+                    "view it as real with torch.view_as_real"
+                )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group["lr"] = self._own_lr(group["lr"])
+
+    def _own_lr(self, lr) -> torch.Tensor:
+        """The group's LR tensor: the user's own if it is a 0-d CPU float32 tensor no other
+        group uses (so their in-place changes reach the step), else a fresh one."""
+        in_use = any(group["lr"] is lr for group in self.param_groups[:-1])
+        if is_lr_tensor(lr) and not in_use:
+            return lr
+        return new_lr_tensor(lr)
+
+    def _check_group(self, group: dict) -> None:
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        block_size = group["block_size"]
+        valid_size = (
+            isinstance(block_size, int) and not isinstance(block_size, bool)
+            and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
+            and block_size & (block_size - 1) == 0
+        )
+        if not valid_size:
+            raise ValueError(
+                f"Invalid block_size: {block_size!r} (a power of two from {MIN_BLOCK_SIZE} "
+                f"to {MAX_BLOCK_SIZE} is needed)"
+            )
+        min_quant_size = group["min_quant_size"]
+        if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
+            raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
+
+    # --- state --------------------------------------------------------------------------
+    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if param.numel() >= group["min_quant_size"] and param.numel() > 0:
+            def new(fmt):
+                return QuantizedState.zeros(
+                    param.shape, fmt, group["block_size"], device=param.device, dtype=param.dtype
+                )
+            state["exp_avg"] = new(self.exp_avg_format)
+            state["exp_avg_sq"] = new(self.exp_avg_sq_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = new(self.exp_avg_sq_format)
+        else:
+            def new():
+                return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = new()
+            state["exp_avg_sq"] = new()
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = new()
+
+    # --- the step -----------------------------------------------------------------------
+    def _check_grads(self) -> None:
+        """Refuse bad gradients before any parameter or state is touched."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients "
+                        f"(parameter of shape {tuple(param.shape)})"
+                    )
+                if grad.shape != param.shape:
+                    raise RuntimeError(
+                        f"gradient of shape {tuple(grad.shape)} does not match its parameter "
+                        f"of shape {tuple(param.shape)}"
+                    )
+                if not grad.is_floating_point():
+                    raise RuntimeError(f"gradient of dtype {grad.dtype} is not floating point")
+
+    def _scalars(self, index: int) -> GroupScalars:
+        while len(self._group_scalars) <= index:
+            self._group_scalars.append(GroupScalars())
+        return self._group_scalars[index]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_grads()
+        scalars = [self._scalars(i) for i in range(len(self.param_groups))]
+        lrs = [s.refresh(group) for s, group in zip(scalars, self.param_groups)]
+        for group, group_scalars, lr in zip(self.param_groups, scalars, lrs):
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(param, group, group_scalars, lr)
+        return loss
+
+    def _update(self, param, group, scalars: GroupScalars, lr) -> None:
+        state = self.state[param]
+        if not state:
+            self._init_state(param, group, state)
+        state["step"] += 1
+        stochastic_round = group["bf16_stochastic_round"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        max_exp_avg_sq = state.get("max_exp_avg_sq")
+        if isinstance(exp_avg, QuantizedState):
+            hyper = (lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay, state["step"])
+            backends.run_quantized_step(
+                self.backend, param, param.grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper,
+                self._tail_scratch, maximize=group["maximize"], stochastic_round=stochastic_round,
+            )
+        else:
+            fp32_state_adamw_step(
+                param, param.grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                lr=lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
+                weight_decay=scalars.weight_decay, step=state["step"],
+                maximize=group["maximize"], stochastic_round=stochastic_round,
+            )

@@ -1,0 +1,223 @@
+"""``QuantizedState``: an optimizer moment stored as blockwise codes plus per-block scales.
+
+The subclass only stores and converts; the AdamW math never runs through it (the step works
+on its ``codes`` and ``scales`` directly, see ``lowbit_optim.functional``). It looks like a
+tensor of the parameter's shape and dtype so that ``torch.optim.Optimizer`` machinery
+(``state_dict``, ``load_state_dict``'s dtype/device cast, ``torch.save``) handles it.
+
+Supported aten ops, and what each means here:
+
+=====================  ==================================================================
+``detach``, ``alias``   same codes and scales (shared storage)
+``clone``               copies of codes and scales
+``_to_copy``            moves codes and scales to another device; a dtype cast only relabels
+                        the logical dtype (``Optimizer.load_state_dict`` casts every state
+                        tensor to the parameter dtype: the codes and scales must survive it)
+``copy_``               float -> state quantizes; state -> float dequantizes; state ->
+                        state copies codes and scales (re-quantizing if the formats differ)
+``zeros_like``,         a fresh all-zero state of the same format and block size
+``empty_like``
+``view``, ``reshape``,  relabel the logical shape (the blocks are over the flat tensor)
+``_unsafe_view``
+``equal``               compares format, shape, codes and scales
+=====================  ==================================================================
+"""
+
+import torch
+
+from lowbit_optim.quant.formats import QuantFormat, get_format
+
+aten = torch.ops.aten
+
+
+class QuantizedState(torch.Tensor):
+    codes: torch.Tensor
+    scales: torch.Tensor
+    format_name: str
+
+    @staticmethod
+    def __new__(cls, codes, scales, format_name, shape, dtype=torch.float32):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=codes.device, requires_grad=False
+        )
+
+    def __init__(self, codes, scales, format_name, shape, dtype=torch.float32):
+        self.codes = codes
+        self.scales = scales
+        self.format_name = format_name
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def zeros(cls, shape, fmt: QuantFormat, block_size: int, *, device=None, dtype=torch.float32):
+        shape = torch.Size(shape)
+        fmt.check_block_size(block_size)
+        num_blocks = fmt.num_blocks(shape.numel(), block_size)
+        zero_code = int(fmt.table.abs().argmin())
+        zero_codes = fmt.pack(torch.full((num_blocks, block_size), zero_code, dtype=torch.uint8))
+        codes = zero_codes.to(device)
+        scales = torch.zeros(num_blocks, dtype=torch.float32, device=device)
+        return cls(codes, scales, fmt.name, shape, dtype)
+
+    @classmethod
+    def from_float(cls, tensor: torch.Tensor, fmt: QuantFormat, block_size: int):
+        state = cls.zeros(tensor.shape, fmt, block_size, device=tensor.device, dtype=tensor.dtype)
+        state.quantize_(tensor)
+        return state
+
+    # --- properties ---------------------------------------------------------------------
+    @property
+    def format(self) -> QuantFormat:
+        return get_format(self.format_name)
+
+    @property
+    def block_size(self) -> int:
+        return self.codes.shape[-1] * self.format.codes_per_byte
+
+    @property
+    def num_blocks(self) -> int:
+        return self.codes.shape[0]
+
+    def state_nbytes(self) -> int:
+        """Bytes held by the inner tensors (what the state costs in memory)."""
+        return self.codes.nbytes + self.scales.nbytes
+
+    # --- conversion ---------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        values = self.format.dequantize_blocks(self.codes, self.scales).view(-1)
+        values = values[: self.numel()].view(self.shape)
+        return values.to(dtype or self.dtype)
+
+    def quantize_(self, tensor: torch.Tensor) -> "QuantizedState":
+        """Store ``tensor`` (same number of elements) into these codes and scales."""
+        if tensor.numel() != self.numel():
+            raise ValueError(
+                f"cannot quantize a tensor of {tensor.numel()} elements into a state of "
+                f"shape {tuple(self.shape)}"
+            )
+        flat = tensor.detach().reshape(-1).float().to(self.codes.device)
+        padding = self.num_blocks * self.block_size - flat.numel()
+        blocks = torch.nn.functional.pad(flat, (0, padding)).view(self.num_blocks, self.block_size)
+        codes, scales = self.format.quantize_blocks(blocks)
+        self.codes.copy_(codes)
+        self.scales.copy_(scales)
+        return self
+
+    def _relabel(self, codes=None, scales=None, shape=None, dtype=None):
+        return QuantizedState(
+            self.codes if codes is None else codes,
+            self.scales if scales is None else scales,
+            self.format_name,
+            self.shape if shape is None else shape,
+            self.dtype if dtype is None else dtype,
+        )
+
+    # --- torch.compile / serialization ----------------------------------------------------
+    def __tensor_flatten__(self):
+        return ["codes", "scales"], (self.format_name, tuple(self.shape), self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
+        format_name, shape, dtype = ctx
+        return cls(inner_tensors["codes"], inner_tensors["scales"], format_name, shape, dtype)
+
+    def __reduce_ex__(self, protocol):
+        # Saved as (codes, scales, format name, shape, dtype): plain tensors and builtins, so
+        # torch.load(weights_only=True) accepts it once the class is a safe global.
+        return (
+            QuantizedState,
+            (self.codes, self.scales, self.format_name, tuple(self.shape), self.dtype),
+        )
+
+    def __repr__(self):
+        return (
+            f"QuantizedState(format={self.format_name}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, block_size={self.block_size}, device={self.device})"
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"QuantizedState does not support {func}; call .dequantize() first"
+            )
+        return handler(*args, **kwargs)
+
+
+def _detach(state):
+    return state._relabel()
+
+
+def _clone(state, memory_format=None):
+    return state._relabel(codes=state.codes.clone(), scales=state.scales.clone())
+
+
+def _to_copy(state, *, dtype=None, device=None, layout=None, pin_memory=None,
+             non_blocking=False, memory_format=None):
+    return state._relabel(
+        codes=state.codes.to(device=device, non_blocking=non_blocking),
+        scales=state.scales.to(device=device, non_blocking=non_blocking),
+        dtype=dtype,
+    )
+
+
+def _copy(dst, src, non_blocking=False):
+    if isinstance(dst, QuantizedState) and isinstance(src, QuantizedState):
+        same_layout = (dst.format_name, dst.block_size) == (src.format_name, src.block_size)
+        if same_layout and dst.numel() == src.numel():
+            dst.codes.copy_(src.codes)
+            dst.scales.copy_(src.scales)
+            return dst
+        return dst.quantize_(src.dequantize(torch.float32))
+    if isinstance(dst, QuantizedState):
+        return dst.quantize_(src)
+    return dst.copy_(src.dequantize(dst.dtype))
+
+
+def _zeros_like(state, *, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None):
+    return QuantizedState.zeros(
+        state.shape, state.format, state.block_size,
+        device=device or state.device, dtype=dtype or state.dtype,
+    )
+
+
+def _view(state, shape):
+    shape = list(shape)
+    if -1 in shape:
+        known = -torch.Size(shape).numel()  # product of the other dimensions
+        shape[shape.index(-1)] = state.numel() // known if known else 0
+    if torch.Size(shape).numel() != state.numel():
+        raise RuntimeError(f"shape {shape} is invalid for a state of {state.numel()} elements")
+    return state._relabel(shape=torch.Size(shape))
+
+
+def _equal(a, b):
+    if not (isinstance(a, QuantizedState) and isinstance(b, QuantizedState)):
+        return False
+    return (
+        a.format_name == b.format_name
+        and a.shape == b.shape
+        and torch.equal(a.codes, b.codes)
+        and torch.equal(a.scales, b.scales)
+    )
+
+
+_HANDLERS = {
+    aten.detach.default: _detach,
+    aten.alias.default: _detach,
+    aten.clone.default: _clone,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy,
+    aten.zeros_like.default: _zeros_like,
+    aten.empty_like.default: _zeros_like,
+    aten.view.default: _view,
+    aten.reshape.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.equal.default: _equal,
+}
+
+torch.serialization.add_safe_globals([QuantizedState])

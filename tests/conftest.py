@@ -1,0 +1,70 @@
+"""Shared test setup: seeding, device parametrisation, compile counters and error helpers."""
+
+import os
+
+import pytest
+import torch
+
+# Two cores here and in CI: more threads only oversubscribe.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+
+
+def relative_rmse(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (the measure used for quantized values)."""
+    expected = expected.double()
+    diff = (actual.double() - expected).norm()
+    return float(diff / expected.norm().clamp_min(1e-30))
+
+
+def assert_close_verbose(actual, expected, *, rtol, atol, name="tensor", show=5):
+    """``torch.testing.assert_close`` that also prints the worst mismatches."""
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    excess = (actual - expected).abs() - (atol + rtol * expected.abs())
+    if (excess > 0).any():
+        worst = excess.flatten().topk(min(show, excess.numel())).indices
+        rows = [
+            f"  [{int(i)}] actual={actual.flatten()[i]:.8g} expected={expected.flatten()[i]:.8g}"
+            for i in worst
+        ]
+        count = int((excess > 0).sum())
+        raise AssertionError(f"{name}: {count} of {excess.numel()} elements out of tolerance\n"
+                             + "\n".join(rows))
+
+
+class CompileCounter:
+    """Counts Dynamo frame compilations (first compiles and recompiles) while active."""
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+
+        self._counters = counters
+        self._start = dict(counters["stats"])
+        return self
+
+    @property
+    def graphs(self) -> int:
+        now = self._counters["stats"].get("unique_graphs", 0)
+        return now - self._start.get("unique_graphs", 0)
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def compile_counter():
+    return CompileCounter
