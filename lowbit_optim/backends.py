@@ -54,6 +54,12 @@ def compiled_step(exp_avg_format, exp_avg_sq_format):
     return torch.compile(_with_own_code_object(quantized_adamw_step, name), dynamic=False)
 
 
+def compiled_graph_count(exp_avg_format, exp_avg_sq_format) -> int:
+    """How many graphs Dynamo holds for one state kind's step (0 before its first call)."""
+    code = compiled_step(exp_avg_format, exp_avg_sq_format)._torchdynamo_orig_callable.__code__
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
 class TailScratch:
     """Reusable one-block buffers for the last, partial block of each parameter.
 

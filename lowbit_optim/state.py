@@ -120,6 +120,11 @@ class QuantizedState(torch.Tensor):
         format_name, shape, dtype = ctx
         return cls(inner_tensors["codes"], inner_tensors["scales"], format_name, shape, dtype)
 
+    def _stable_hash_for_caching(self) -> str:
+        # Part of AOTAutograd's cache key: graphs for different formats or block sizes must
+        # never be served for one another.
+        return f"QuantizedState/{self.format_name}/{self.block_size}/{tuple(self.shape)}/{self.dtype}"
+
     def __reduce_ex__(self, protocol):
         # Saved as (codes, scales, format name, shape, dtype): plain tensors and builtins, so
         # torch.load(weights_only=True) accepts it once the class is a safe global.

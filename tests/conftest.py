@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
 
 def relative_rmse(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| (the measure used for quantized values)."""
-    expected = expected.double()
-    diff = (actual.double() - expected).norm()
+    expected = expected.detach().double()
+    diff = (actual.detach().double() - expected).norm()
     return float(diff / expected.norm().clamp_min(1e-30))
 
 

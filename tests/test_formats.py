@@ -1,0 +1,181 @@
+"""The quantization maps, codecs and blockwise formats (issue 2)."""
+
+import pytest
+import torch
+
+from conftest import relative_rmse
+from lowbit_optim.quant import maps
+from lowbit_optim.quant.formats import (
+    DYNAMIC_4BIT_SIGNED,
+    DYNAMIC_8BIT_SIGNED,
+    DYNAMIC_8BIT_UNSIGNED,
+    FORMATS,
+    LINEAR_4BIT_NONZERO,
+    get_format,
+)
+from lowbit_optim.state import QuantizedState
+
+ALL_FORMATS = list(FORMATS.values())
+SIGNED = {DYNAMIC_8BIT_SIGNED.name, DYNAMIC_4BIT_SIGNED.name}
+ODD_SIZES = [1, 127, 4095, 4096, 4097, 1_000_003]
+
+
+def sample(fmt, shape, spread=4.0):
+    """Values over many decades (optimizer moments span orders of magnitude)."""
+    values = torch.randn(shape) * torch.exp(torch.randn(shape) * spread)
+    return values if fmt.name in SIGNED else values.abs()
+
+
+# Worst-case dequantization error relative to the block's absmax: half the widest gap
+# between neighbouring codes (8-bit: top decade, 0.9/64 apart; signed 4-bit: -1 is not in the
+# map, so -absmax lands on -0.8875; linear 4-bit: a value near 0 lands on 1/16).
+MAX_ERROR_PER_ABSMAX = {
+    DYNAMIC_8BIT_SIGNED.name: 0.9 / 64 / 2 * 1.001,
+    DYNAMIC_8BIT_UNSIGNED.name: 0.9 / 128 / 2 * 1.001,
+    DYNAMIC_4BIT_SIGNED.name: (1 - 0.8875) * 1.001,
+    LINEAR_4BIT_NONZERO.name: 1 / 16 * 1.001,
+}
+
+
+def test_8bit_maps_equal_bitsandbytes():
+    functional = pytest.importorskip("bitsandbytes.functional")
+    assert torch.equal(maps.SIGNED_8BIT, functional.create_dynamic_map(signed=True))
+    assert torch.equal(maps.UNSIGNED_8BIT, functional.create_dynamic_map(signed=False))
+
+
+def test_4bit_maps_are_the_documented_tables():
+    expected_signed = [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+                       0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0]
+    torch.testing.assert_close(maps.SIGNED_4BIT, torch.tensor(expected_signed), rtol=1e-6, atol=0)
+    assert torch.equal(maps.LINEAR_4BIT, torch.arange(1, 17) / 16)
+    assert (maps.LINEAR_4BIT > 0).all(), "the second-moment map must not contain zero"
+
+
+def excess_distance(fmt, normalized):
+    """How much farther the chosen code is than the nearest one, in ulps of the input."""
+    codes = fmt.codec.encode(normalized).long()
+    distance = (fmt.table.double()[None, :] - normalized.double()[:, None]).abs()
+    best = distance.min(dim=1).values
+    chosen = distance.gather(1, codes[:, None])[:, 0]
+    ulp = (normalized.abs().nextafter(torch.tensor(2.0)) - normalized.abs()).double()
+    return (chosen - best) / ulp
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_encode_picks_the_nearest_code(fmt):
+    normalized = sample(fmt, 300_000)
+    normalized = normalized / normalized.abs().max()
+    edges = torch.tensor([0.0, 1.0, -1.0, 1e-7, 1e-30, 0.5, -0.5, 0.0999, 0.1001])
+    normalized = torch.cat([normalized, edges if fmt.name in SIGNED else edges.abs()])
+    assert int((excess_distance(fmt, normalized) > 0).sum()) == 0
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_encode_at_midpoints_errs_by_at_most_a_few_ulps(fmt):
+    # A value within a few ulps of a midpoint is a tie in float32: the 8-bit codec computes
+    # bin edges arithmetically, so it may pick the other neighbour there, never a farther code.
+    # An input k ulps from a midpoint is 2k ulps closer to one neighbour; we probe k <= 3.
+    midpoints = (fmt.table[1:] + fmt.table[:-1]) / 2
+    around = [midpoints]
+    for direction in (2.0, -2.0):
+        step = midpoints
+        for _ in range(3):
+            step = step.nextafter(torch.tensor(direction))
+            around.append(step)
+    normalized = torch.cat(around).clamp(-1, 1)
+    if fmt.name not in SIGNED:
+        normalized = normalized.clamp_min(0)
+    assert float(excess_distance(fmt, normalized).max()) <= 6.0
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_decode_is_the_table(fmt):
+    codes = torch.arange(fmt.table.numel(), dtype=torch.uint8)
+    assert torch.equal(fmt.codec.decode(codes), fmt.table)
+
+
+@pytest.mark.parametrize("numel", ODD_SIZES)
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_round_trip_error_within_format_bound(fmt, numel):
+    values = sample(fmt, numel, spread=1.0)
+    state = QuantizedState.from_float(values, fmt, fmt.default_block_size)
+    assert state.num_blocks == -(-numel // fmt.default_block_size)  # padded, never fp32
+    restored = state.dequantize()
+    assert restored.shape == values.shape
+    padded = torch.nn.functional.pad(values, (0, state.num_blocks * state.block_size - numel))
+    absmax = padded.view(state.num_blocks, -1).abs().amax(dim=1)
+    error = (restored - values).abs()
+    bound = torch.repeat_interleave(absmax, state.block_size)[:numel] * MAX_ERROR_PER_ABSMAX[fmt.name]
+    assert (error <= bound).all()
+
+
+def test_4bit_is_a_coarser_approximation_than_8bit():
+    values = torch.randn(1 << 16)
+    error8 = relative_rmse(QuantizedState.from_float(values, DYNAMIC_8BIT_SIGNED, 256).dequantize(), values)
+    error4 = relative_rmse(QuantizedState.from_float(values, DYNAMIC_4BIT_SIGNED, 128).dequantize(), values)
+    assert error8 < 0.02 < error4 < 0.2
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_all_zero_block_gives_zeros(fmt):
+    state = QuantizedState.from_float(torch.zeros(3 * fmt.default_block_size), fmt, fmt.default_block_size)
+    restored = state.dequantize()
+    assert torch.equal(restored, torch.zeros_like(restored))
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_non_finite_inputs_stay_in_their_element(fmt):
+    block = fmt.default_block_size
+    values = sample(fmt, 2 * block, spread=0.5)
+    values[3], values[5], values[block + 7] = float("nan"), float("inf"), float("inf")
+    if fmt.name in SIGNED:
+        values[9] = float("-inf")
+    state = QuantizedState.from_float(values, fmt, block)
+    restored = state.dequantize()
+    assert torch.isfinite(restored).all()
+    finite = torch.isfinite(values)
+    scales = values.where(finite, 0).abs().view(2, block).amax(dim=1)
+    assert torch.equal(state.scales, scales), "the block scale ignores non-finite values"
+    # inf saturates to the largest finite magnitude of its block; NaN becomes the code nearest 0.
+    assert restored[5] == scales[0] and restored[block + 7] == scales[1]
+    assert restored[3] == fmt.table[fmt.table.abs().argmin()] * scales[0]
+    clean = QuantizedState.from_float(values.where(finite, 0), fmt, block).dequantize()
+    assert torch.equal(restored[finite], clean[finite]), "other elements are unaffected"
+
+
+def test_4bit_packing_layout():
+    fmt = DYNAMIC_4BIT_SIGNED
+    codes = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    packed = fmt.pack(codes)
+    assert packed.shape == (3, 64) and packed.dtype == torch.uint8
+    assert torch.equal(packed & 15, codes[:, :64]) and torch.equal(packed >> 4, codes[:, 64:])
+    assert torch.equal(fmt.unpack(packed), codes)
+
+
+def test_state_bytes_per_element():
+    shape = (1024, 1024)
+    for first, second, limit in [(DYNAMIC_8BIT_SIGNED, DYNAMIC_8BIT_UNSIGNED, 2.04),
+                                 (DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO, 1.07)]:
+        states = [QuantizedState.zeros(shape, fmt, fmt.default_block_size) for fmt in (first, second)]
+        nbytes = sum(s.codes.nbytes + s.scales.nbytes for s in states)
+        assert nbytes / (1024 * 1024) <= limit
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_compiled_quantize_matches_eager(fmt):
+    blocks = sample(fmt, (37, fmt.default_block_size))
+    compiled = torch.compile(fmt.quantize_blocks, dynamic=False)
+    codes, scales = compiled(blocks)
+    eager_codes, eager_scales = fmt.quantize_blocks(blocks)
+    assert torch.equal(scales, eager_scales)
+    # Inductor may fuse multiply-adds differently: allow codes that differ at float-rounding
+    # ties, i.e. whose decoded values sit at equal distance within a few ulps.
+    differ = codes != eager_codes
+    assert int(differ.sum()) <= 2
+
+
+def test_unknown_format_and_bad_block_size():
+    with pytest.raises(ValueError, match="Unknown quantization format 'int3'"):
+        get_format("int3")
+    with pytest.raises(ValueError, match="Invalid block_size: 7"):
+        QuantizedState.zeros((10,), DYNAMIC_4BIT_SIGNED, 7)
