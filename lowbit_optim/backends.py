@@ -9,6 +9,8 @@ block through a one-block scratch buffer, reusing the same graph.
 """
 
 import functools
+import importlib.util
+import os
 import types
 
 import torch
@@ -18,16 +20,55 @@ import torch.fx.experimental._config as fx_config
 from lowbit_optim.functional import quantized_adamw_step
 from lowbit_optim.state import QuantizedState
 
-BACKENDS = ("compile", "eager")
+BACKENDS = ("compile", "eager", "triton")
 
 
-def resolve_backend(backend: str | None) -> str:
-    """``None`` picks the fastest backend available: ``"compile"``."""
+def _triton_interpreter_on() -> bool:
+    # Triton's own parsing of the variable (lowbit_optim.kernels is defined by it).
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend: str | None, devices=()) -> str:
+    """``None`` picks the fastest backend available for the parameters' ``devices``:
+    ``"triton"`` when they are all CUDA and Triton is installed, else ``"compile"``.
+
+    ``"triton"`` on CPU tensors runs only under the Triton interpreter (tests): without
+    ``TRITON_INTERPRET=1`` a CPU launch fails with "0 active drivers", so it is refused here.
+    """
+    devices = {torch.device(d).type for d in devices}
+    has_triton = importlib.util.find_spec("triton") is not None
     if backend is None:
-        return "compile"
+        return "triton" if devices == {"cuda"} and has_triton else "compile"
     if backend not in BACKENDS:
         raise ValueError(f"Invalid backend: {backend!r} (choose one of {BACKENDS} or None)")
+    if backend == "triton":
+        if not has_triton:
+            raise ValueError("backend='triton' needs Triton: pip install triton")
+        not_cuda = devices - {"cuda"}
+        if not_cuda and not (not_cuda == {"cpu"} and _triton_interpreter_on()):
+            raise ValueError(
+                f"backend='triton' needs CUDA parameters (got {sorted(devices)}); on CPU it runs "
+                "only under the Triton interpreter (TRITON_INTERPRET=1, for tests)"
+            )
     return backend
+
+
+def takes_groups(backend: str) -> bool:
+    """Whether ``backend`` steps a param group's quantized parameters together
+    (``run_quantized_group``) rather than one by one (``run_quantized_step``)."""
+    return backend == "triton"
+
+
+def run_quantized_group(backend: str, entries: list[tuple], scalars, lr: torch.Tensor, *, maximize: bool,
+                        stochastic_round: bool) -> None:
+    """Step a param group's quantized parameters together: one launch per kind.
+
+    ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)``.
+    """
+    from lowbit_optim import kernels  # imports Triton: only when the backend is in use
+
+    kernels.step_group(entries, lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
+                       maximize=maximize, stochastic_round=stochastic_round)
 
 
 def _with_own_code_object(fn, name: str):
@@ -81,6 +122,13 @@ def run_quantized_step(backend: str, param: torch.Tensor, grad: torch.Tensor,
                        max_exp_avg_sq: QuantizedState | None, hyper: tuple, scratch: TailScratch,
                        *, maximize: bool, stochastic_round: bool) -> None:
     """Update ``param`` and the quantized moments in place with ``backend``."""
+    if backend == "triton":  # the per-parameter fallback: a group of one
+        from lowbit_optim import kernels
+
+        *scalars, step = hyper
+        kernels.step_group([(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step)], *scalars,
+                           maximize=maximize, stochastic_round=stochastic_round)
+        return
     if backend == "compile":
         step = compiled_step(exp_avg.format, exp_avg_sq.format)
     else:
@@ -119,6 +167,11 @@ def run_quantized_step(backend: str, param: torch.Tensor, grad: torch.Tensor,
         grad_block = scratch.get(flat_grad, block_size, "grad")
         param_block[0, :tail].copy_(flat_param[start:])
         grad_block[0, :tail].copy_(flat_grad[start:])
+        # The padding must be zeros, not the last parameter's values: its moments then stay
+        # exactly 0 and never set the block's scale, so neither the parameter order nor a
+        # resumed run's fresh buffers change the result (tests/test_checkpoint.py).
+        param_block[0, tail:].zero_()
+        grad_block[0, tail:].zero_()
         _call(step, backend, param_block, grad_block, inner(slice(whole_blocks, None)), hyper)
         flat_param[start:].copy_(param_block[0, :tail])
     if work is not param:

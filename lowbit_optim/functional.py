@@ -31,7 +31,9 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv),
     # so that float32 state tracks it to within rounding.
     new_exp_avg = exp_avg + (1 - beta1) * (safe_grad - exp_avg)
-    new_exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * (safe_grad * safe_grad)
+    # ((1 - beta2) * grad) * grad, the order of torch's addcmul: grad * grad first would
+    # overflow float32 from |grad| > 1.8e19 instead of ~5.8e20 (tests/test_robustness.py).
+    new_exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * safe_grad * safe_grad
     second_moment = new_exp_avg_sq
     new_max = None
     if max_exp_avg_sq is not None:

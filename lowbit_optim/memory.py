@@ -1,6 +1,7 @@
 """Measuring what optimizer state costs."""
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit_optim.state import QuantizedState
 
@@ -12,6 +13,11 @@ def tensor_state_bytes(value) -> int:
     local = getattr(value, "_local_tensor", None)  # DTensor: this rank's shard
     if local is not None:
         return tensor_state_bytes(local)
+    if is_traceable_wrapper_subclass(value):
+        # Another library's quantized state (e.g. torchao's): its nbytes is the logical fp32
+        # size, so count its inner tensors instead (a lookup table it holds counts in full).
+        inner_names, _ = value.__tensor_flatten__()
+        return sum(tensor_state_bytes(getattr(value, name)) for name in inner_names)
     if isinstance(value, torch.Tensor):
         return value.nbytes
     return 0

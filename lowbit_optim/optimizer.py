@@ -10,7 +10,7 @@ float32 tensor from construction on (see ``hyperparams``).
 import torch
 from torch.optim import Optimizer
 
-from lowbit_optim import backends
+from lowbit_optim import backends, checkpoint, distributed
 from lowbit_optim.functional import fp32_state_adamw_step
 from lowbit_optim.hyperparams import (
     GroupScalars,
@@ -41,10 +41,13 @@ class LowBitAdamW(Optimizer):
             maximize=maximize, block_size=block_size, min_quant_size=min_quant_size,
             bf16_stochastic_round=bf16_stochastic_round,
         )
-        self.backend = backends.resolve_backend(backend)
         self._group_scalars: list[GroupScalars] = []
         self._tail_scratch = backends.TailScratch()
         super().__init__(params, defaults)
+        # From the parameters' devices: None picks "triton" only when they are all CUDA.
+        self.backend = backends.resolve_backend(
+            backend, [p.device for group in self.param_groups for p in group["params"]]
+        )
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -54,6 +57,18 @@ class LowBitAdamW(Optimizer):
             group.setdefault("bf16_stochastic_round", False)
             group.setdefault("block_size", self.exp_avg_format.default_block_size)
             group.setdefault("min_quant_size", 4096)
+
+    def load_state_dict(self, state_dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, checked first, float32 state kept float32.
+
+        Also takes a ``torch.optim.AdamW`` state dict (its moments get quantized). A state dict
+        that does not fit raises ``ValueError`` naming the parameter, with the optimizer left
+        unchanged. See ``lowbit_optim.checkpoint`` and docs/checkpoints.md.
+        """
+        state_dict = distributed.quantize_sharded_float_moments(self, state_dict)
+        prepared = checkpoint.prepare_load(self, state_dict)
+        super().load_state_dict(prepared.state_dict)
+        prepared.finish(self)
 
     # --- param groups -------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -100,11 +115,11 @@ class LowBitAdamW(Optimizer):
     # --- state --------------------------------------------------------------------------
     def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        # numel() of an FSDP2 (DTensor) parameter is its global size: the decision must not
+        # depend on how it is sharded (see lowbit_optim.distributed).
         if param.numel() >= group["min_quant_size"] and param.numel() > 0:
             def new(fmt):
-                return QuantizedState.zeros(
-                    param.shape, fmt, group["block_size"], device=param.device, dtype=param.dtype
-                )
+                return distributed.zeros_state(param, fmt, group["block_size"])
             state["exp_avg"] = new(self.exp_avg_format)
             state["exp_avg_sq"] = new(self.exp_avg_sq_format)
             if group["amsgrad"]:
@@ -153,28 +168,39 @@ class LowBitAdamW(Optimizer):
         scalars = [self._scalars(i) for i in range(len(self.param_groups))]
         lrs = [s.refresh(group) for s, group in zip(scalars, self.param_groups)]
         for group, group_scalars, lr in zip(self.param_groups, scalars, lrs):
+            batch = [] if backends.takes_groups(self.backend) else None
             for param in group["params"]:
                 if param.grad is not None:
-                    self._update(param, group, group_scalars, lr)
+                    self._update(param, group, group_scalars, lr, batch)
+            if batch:
+                backends.run_quantized_group(
+                    self.backend, batch, group_scalars, lr, maximize=group["maximize"],
+                    stochastic_round=group["bf16_stochastic_round"],
+                )
         return loss
 
-    def _update(self, param, group, scalars: GroupScalars, lr) -> None:
+    def _update(self, param, group, scalars: GroupScalars, lr, batch: list | None = None) -> None:
+        """Step one parameter; a quantized one is only queued on ``batch`` when given."""
         state = self.state[param]
         if not state:
             self._init_state(param, group, state)
         state["step"] += 1
         stochastic_round = group["bf16_stochastic_round"]
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        max_exp_avg_sq = state.get("max_exp_avg_sq")
-        if isinstance(exp_avg, QuantizedState):
+        # FSDP2: each rank steps its own shards (plain tensors pass through unchanged).
+        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq = map(distributed.local, (
+            param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
+        ))
+        if isinstance(exp_avg, QuantizedState) and batch is not None:
+            batch.append((param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, state["step"]))
+        elif isinstance(exp_avg, QuantizedState):
             hyper = (lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay, state["step"])
             backends.run_quantized_step(
-                self.backend, param, param.grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper,
+                self.backend, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper,
                 self._tail_scratch, maximize=group["maximize"], stochastic_round=stochastic_round,
             )
         else:
             fp32_state_adamw_step(
-                param, param.grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
                 lr=lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
                 weight_decay=scalars.weight_decay, step=state["step"],
                 maximize=group["maximize"], stochastic_round=stochastic_round,

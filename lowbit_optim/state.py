@@ -20,6 +20,12 @@ Supported aten ops, and what each means here:
 ``view``, ``reshape``,  relabel the logical shape (the blocks are over the flat tensor)
 ``_unsafe_view``
 ``equal``               compares format, shape, codes and scales
+``slice``               a contiguous range (DCP resharding): whole blocks are a view, any
+                        other range a ``lowbit_optim.distributed.QuantizedSlice``
+``constant_pad_nd``,    run on the dequantized values (DTensor ``full_tensor()`` of a
+``all_gather_into_      sharded moment gathers its float values)
+tensor``
+``is_pinned``           asked by DCP's save planner
 =====================  ==================================================================
 """
 
@@ -211,7 +217,57 @@ def _equal(a, b):
     )
 
 
+def _slice(state, dim=0, start=None, end=None, step=1):
+    """Elements ``[start, end)`` along ``dim``, a contiguous range of the flat tensor.
+
+    ``torch.distributed.checkpoint`` narrows saved and target tensors this way when it
+    reshards. A range on block boundaries is a view of whole blocks (reads and writes are
+    exact); any other range is a ``QuantizedSlice`` (see ``lowbit_optim.distributed``).
+    """
+    shape = list(state.shape)
+    dim %= len(shape)
+    if step != 1 or any(size != 1 for size in shape[:dim]):
+        raise NotImplementedError(
+            f"QuantizedState supports slices of contiguous ranges only (got dim={dim}, "
+            f"step={step} on shape {tuple(shape)}); call .dequantize() first"
+        )
+    size = shape[dim]
+    start, end = (0 if start is None else start), (size if end is None else end)
+    start, end = (min(max(i + size if i < 0 else i, 0), size) for i in (start, end))
+    end = max(start, end)
+    inner = torch.Size(shape[dim + 1:]).numel()
+    first, last = start * inner, end * inner
+    shape[dim] = end - start
+    block_size = state.block_size
+    if first % block_size == 0 and (last % block_size == 0 or last == state.numel()):
+        rows = slice(first // block_size, -(-last // block_size))
+        return state._relabel(codes=state.codes[rows], scales=state.scales[rows], shape=torch.Size(shape))
+    from lowbit_optim.distributed import QuantizedSlice  # imported here: it imports this module
+
+    return QuantizedSlice(state, first, last, torch.Size(shape))
+
+
+def _on_values(func):
+    """A handler for an op that only reads: it runs on the dequantized values and returns a
+    plain tensor. DTensor's ``full_tensor()`` pads uneven shards and all-gathers them, so
+    the full tensor of a sharded moment is its float values."""
+    def handler(*args, **kwargs):
+        args = [arg.dequantize() if isinstance(arg, QuantizedState) else arg for arg in args]
+        return func(*args, **kwargs)
+    return handler
+
+
+def _is_pinned(state, device=None):
+    return state.codes.is_pinned() and state.scales.is_pinned()
+
+
 _HANDLERS = {
+    aten.slice.Tensor: _slice,
+    aten.is_pinned.default: _is_pinned,
+    aten.constant_pad_nd.default: _on_values(aten.constant_pad_nd.default),
+    torch.ops._c10d_functional.all_gather_into_tensor.default: _on_values(
+        torch.ops._c10d_functional.all_gather_into_tensor.default
+    ),
     aten.detach.default: _detach,
     aten.alias.default: _detach,
     aten.clone.default: _clone,

@@ -1,0 +1,190 @@
+"""``python -m lowbit_optim.bench`` (or ``lowbit-optim-bench``): low-bit AdamW against fp32
+AdamW on a real training run — memory, speed and loss in one table, JSON and two plots.
+
+A small GPT-style byte-level model trains on the standard library's own sources with each
+optimizer: same initial weights, same batches in the same order, same warmup+cosine
+schedule (``LambdaLR``). See ``docs/benchmarks.md`` for what every column measures.
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from lowbit_optim.bench import harness, plots
+from lowbit_optim.bench.data import load_corpus
+from lowbit_optim.bench.model import ModelConfig
+from lowbit_optim.bench.train import TrainConfig, train
+
+BASELINE = "torch_adamw"
+DEFAULT_OPTIMIZERS = ("torch_adamw", "lowbit_8bit", "lowbit_4bit")
+# ``--optimizers all``: the default set plus every peer that is installed. Peers are not in
+# the default run because torchao compiles one graph per parameter shape (~25-30 s of first
+# step each here) and steps 2-5x slower than ours, which does not fit the 3-minute budget.
+ALL_OPTIMIZERS = DEFAULT_OPTIMIZERS + harness.PEERS
+
+# Each preset: the model and the training run that suits it. "small" is the default: on a
+# 2-core CPU it takes ~2-3 minutes for the three default optimizers, cold compile included.
+PRESETS = {
+    "quick": dict(model=ModelConfig(d_model=64, n_layers=2, n_heads=2, context=64),
+                  steps=30, batch_size=8, lr=3e-3, eval_every=15, eval_batches=2),
+    "small": dict(model=ModelConfig(d_model=128, n_layers=4, n_heads=4, context=128),
+                  steps=300, batch_size=16, lr=3e-3, eval_every=50, eval_batches=8),
+    "medium": dict(model=ModelConfig(d_model=256, n_layers=6, n_heads=8, context=256),
+                   steps=1000, batch_size=16, lr=2e-3, eval_every=50, eval_batches=16),
+    # ~114M parameters: for a GPU.
+    "gpu-114m": dict(model=ModelConfig(d_model=768, n_layers=16, n_heads=12, context=512),
+                     steps=2000, batch_size=32, lr=6e-4, eval_every=100, eval_batches=20),
+}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="lowbit-optim-bench",
+        description="Train a small byte-level GPT with fp32 AdamW and low-bit AdamW; "
+                    "print memory, speed and loss side by side.",
+    )
+    parser.add_argument("--model-size", choices=sorted(PRESETS), default="small",
+                        help="model and run preset (default: small; gpu-114m wants a GPU)")
+    parser.add_argument("--steps", type=int, help="training steps (default: the preset's)")
+    parser.add_argument("--optimizers", nargs="+", default=list(DEFAULT_OPTIMIZERS),
+                        help=f"names from {sorted(harness.OPTIMIZERS)}, or 'peers', or 'all' "
+                             f"(default: {' '.join(DEFAULT_OPTIMIZERS)}); peers that are not "
+                             "installed are skipped")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="several seeds: report means and the seed spread (overrides --seed)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"),
+                        help="where results.json, table.md and the PNGs go (default: bench_out/)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny smoke run (< 30 s): --model-size quick")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model_size = "quick"
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    return args
+
+
+def summarize(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per optimizer: means over seeds, the seed spread, and the gap to fp32 paired
+    by seed (same weights and batches), so seed noise common to both cancels."""
+    baseline = {run["seed"]: run for run in runs.get(BASELINE, [])}
+    rows = []
+    for seeds in runs.values():
+        first = seeds[0]
+        val = [run["final_val_loss"] for run in seeds]
+        row = {key: first[key] for key in ("optimizer", "label", "params", "state_bytes",
+                                           "state_bytes_per_param")}
+        row.update(
+            seeds=[run["seed"] for run in seeds],
+            peak_memory_bytes=max(run["peak_memory_bytes"] for run in seeds),
+            peak_memory_mib=max(run["peak_memory_bytes"] for run in seeds) / 2**20,
+            first_step_s=first["first_step_s"],  # later seeds reuse the compiled graphs
+            step_ms=statistics.median(run["step_ms"] for run in seeds),
+            train_step_ms=statistics.median(run["train_step_ms"] for run in seeds),
+            recompiles_after_first_step=sum(run["recompiles_after_first_step"] for run in seeds),
+            final_train_loss=statistics.mean(run["final_train_loss"] for run in seeds),
+            final_val_loss=statistics.mean(val),
+            val_loss_sd=statistics.stdev(val) if len(val) > 1 else None,
+        )
+        if baseline:
+            base = baseline[first["seed"]]
+            row["state_saving"] = base["state_bytes"] / max(first["state_bytes"], 1)
+            gaps = [100 * (run["final_val_loss"] / baseline[run["seed"]]["final_val_loss"] - 1)
+                    for run in seeds if run["seed"] in baseline]
+            row["val_gap_pct"] = statistics.mean(gaps)
+            row["val_gap_pct_sd"] = statistics.stdev(gaps) if len(gaps) > 1 else None
+        rows.append(row)
+    return rows
+
+
+def table_columns(multi_seed: bool) -> list[harness.Column]:
+    columns = [
+        harness.Column("optimizer", "label"),
+        harness.Column("state B/param", "state_bytes_per_param", "{:.2f}"),
+        harness.Column("saving vs fp32", "state_saving", "{:.2f}x"),
+        harness.Column("peak MiB", "peak_memory_mib", "{:.1f}"),
+        harness.Column("opt step ms", "step_ms", "{:.1f}"),
+        harness.Column("train step ms", "train_step_ms", "{:.1f}"),
+        harness.Column("first step s", "first_step_s", "{:.2f}"),
+        harness.Column("recompiles", "recompiles_after_first_step"),
+        harness.Column("train loss", "final_train_loss", "{:.4f}"),
+        harness.Column("val loss", "final_val_loss", "{:.4f}"),
+    ]
+    if multi_seed:
+        columns.append(harness.Column("val sd", "val_loss_sd", "{:.4f}"))
+    columns.append(harness.Column("val gap vs fp32", "val_gap_pct", "{:+.2f}%"))
+    if multi_seed:
+        columns.append(harness.Column("gap sd", "val_gap_pct_sd", "{:.2f}"))
+    return columns
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for, but torch sees no CUDA device")
+    names, skipped = harness.resolve_optimizers(args.optimizers, all_names=ALL_OPTIMIZERS)
+    if skipped:
+        print(f"skipped (not installed): {', '.join(skipped)}", file=sys.stderr)
+    if not names:
+        raise SystemExit("no optimizer to run")
+    preset = dict(PRESETS[args.model_size])
+    if args.steps is not None:
+        preset["steps"] = args.steps
+    steps = preset["steps"]
+    preset["eval_every"] = min(preset["eval_every"], steps)
+    seeds = args.seeds or [args.seed]
+    corpus = load_corpus()
+
+    def config_for(seed: int) -> TrainConfig:
+        return TrainConfig(weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=max(1, steps // 10),
+                           min_lr_ratio=0.1, seed=seed, **preset)
+
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    with tqdm(total=steps * len(names) * len(seeds), desc="training", unit="step",
+              mininterval=2.0, file=sys.stderr) as progress:
+        for seed in seeds:
+            for name in names:
+                runs[name].append(train(name, config_for(seed), corpus, device, progress))
+    elapsed = time.perf_counter() - start
+
+    env = harness.environment(device)
+    rows = summarize(runs)
+    config = {
+        "model_size": args.model_size, "model": preset["model"].as_dict(),
+        **{k: v for k, v in config_for(seeds[0]).__dict__.items() if k not in ("model", "seed")},
+        "seeds": seeds, "optimizers": names, "skipped": skipped, "device": str(device),
+        "corpus": corpus.describe(), "wall_s": elapsed,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    all_runs = [run for seed_runs in runs.values() for run in seed_runs]
+    harness.write_json(args.out / "results.json", "train", rows, env=env,
+                       config={**config, "runs": all_runs})
+    table = harness.markdown_table(rows, table_columns(len(seeds) > 1))
+    machine = harness.machine_line(env)
+    params = rows[0]["params"]
+    run_line = (f"{args.model_size} preset: {params / 1e6:.2f}M params, {steps} steps, "
+                f"seeds {seeds}")
+    heading = f"{run_line}; {machine}"
+    (args.out / "table.md").write_text(f"{heading}\n\n{table}\n")
+    labelled = {harness.OPTIMIZERS[name].label: seed_runs for name, seed_runs in runs.items()}
+    plots.loss_curves(labelled, args.out / "loss_curves.png", f"{run_line}\n{machine}")
+    plots.memory_bars(rows, args.out / "memory.png", f"{run_line}\n{machine}")
+    print(heading)
+    print()
+    print(table)
+    print(f"\n{elapsed:.0f} s; wrote {args.out}/results.json, table.md, loss_curves.png, memory.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

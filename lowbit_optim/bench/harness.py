@@ -1,0 +1,196 @@
+"""What every benchmark shares: optimizers by name, timing, compile counting, the machine and
+versions recorded with each result, JSON rows and markdown tables.
+
+Used by ``python -m lowbit_optim.bench`` and the micro-benchmarks in ``benchmarks/``.
+"""
+
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lowbit_optim import AdamW4bit, AdamW8bit
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    label: str  # what the tables and plots call it
+    package: str | None  # the distribution it needs beyond torch and lowbit_optim
+    build: Callable  # build(params, **hyperparameters) -> torch.optim.Optimizer
+
+
+def _torchao(class_name: str):
+    def build(params, **hyper):
+        import torchao.optim
+
+        return getattr(torchao.optim, class_name)(params, **hyper)
+    return build
+
+
+def _bnb_8bit(params, **hyper):
+    import bitsandbytes.optim
+
+    return bitsandbytes.optim.AdamW8bit(params, **hyper)
+
+
+OPTIMIZERS = {
+    spec.name: spec
+    for spec in (
+        OptimizerSpec("torch_adamw", "torch AdamW fused (fp32)", None,
+                      lambda params, **hyper: torch.optim.AdamW(params, fused=True, **hyper)),
+        OptimizerSpec("torch_adamw_foreach", "torch AdamW foreach (fp32)", None,
+                      lambda params, **hyper: torch.optim.AdamW(params, foreach=True, **hyper)),
+        OptimizerSpec("lowbit_8bit", "lowbit_optim AdamW8bit", None, AdamW8bit),
+        OptimizerSpec("lowbit_4bit", "lowbit_optim AdamW4bit", None, AdamW4bit),
+        OptimizerSpec("torchao_8bit", "torchao AdamW8bit", "torchao", _torchao("AdamW8bit")),
+        OptimizerSpec("torchao_4bit", "torchao AdamW4bit", "torchao", _torchao("AdamW4bit")),
+        OptimizerSpec("bnb_8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb_8bit),
+    )
+}
+PEERS = ("torchao_8bit", "torchao_4bit", "bnb_8bit")
+
+
+def package_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def is_available(name: str) -> bool:
+    package = OPTIMIZERS[name].package
+    return package is None or package_version(package) is not None
+
+
+def resolve_optimizers(names: Iterable[str], *, all_names: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Expand ``"all"``/``"peers"``, check names; returns (runnable, skipped as not installed).
+
+    Peers named explicitly but not installed are skipped with a note, not an error, so one
+    command line works on every machine.
+    """
+    expanded: list[str] = []
+    for name in names:
+        group = {"all": list(all_names), "peers": list(PEERS)}.get(name, [name])
+        for item in group:
+            if item not in OPTIMIZERS:
+                raise ValueError(f"Unknown optimizer {item!r}; choose from {sorted(OPTIMIZERS)}, "
+                                 "'peers' or 'all'")
+            if item not in expanded:
+                expanded.append(item)
+    runnable = [name for name in expanded if is_available(name)]
+    skipped = [name for name in expanded if name not in runnable]
+    return runnable, skipped
+
+
+def make_optimizer(name: str, params, **hyper) -> torch.optim.Optimizer:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer {name!r}; choose from {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[name].build(params, **hyper)
+
+
+# --- timing and compile counting --------------------------------------------------------
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable, device: torch.device) -> float:
+    """Seconds ``fn()`` takes, device work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (first compiles and recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"].get("unique_graphs", 0)
+
+
+def median_ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds) if seconds else float("nan")
+
+
+# --- the machine ------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device | None = None) -> dict:
+    """Versions and hardware, recorded with every result."""
+    env = {
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        # Other work on the machine slows every timing; the 1-minute load average says how much.
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "versions": {
+            name: package_version(name)
+            for name in ("lowbit-optim", "torchao", "bitsandbytes", "triton", "numpy")
+        },
+        "cuda": torch.version.cuda,
+    }
+    if device is not None:
+        env["device"] = str(device)
+        if device.type == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def machine_line(env: dict) -> str:
+    where = env.get("gpu") or f"{env['cpu_count']}-core CPU ({env['cpu']})"
+    return f"{where}, torch {env['torch']}, {env['torch_threads']} threads"
+
+
+# --- output -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Column:
+    header: str
+    key: str
+    fmt: str = "{}"
+
+    def render(self, row: dict) -> str:
+        value = row.get(self.key)
+        if value is None or (isinstance(value, float) and value != value):
+            return "-"
+        return self.fmt.format(value)
+
+
+def markdown_table(rows: list[dict], columns: list[Column]) -> str:
+    lines = [
+        "| " + " | ".join(c.header for c in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    lines += ["| " + " | ".join(c.render(row) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: pathlib.Path, benchmark: str, rows: list[dict], *, env: dict, config: dict) -> None:
+    """One JSON file: ``{"benchmark", "environment", "config", "rows"}``; every row also names
+    the machine and torch version, so rows copied elsewhere stay attributable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stamped = [{**row, "machine": machine_line(env), "torch": env["torch"]} for row in rows]
+    payload = {"benchmark": benchmark, "environment": env, "config": config, "rows": stamped}
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -1,0 +1,177 @@
+"""One training run: the same model, batches, seed and LR schedule for every optimizer.
+
+What is measured and how:
+- state bytes: ``lowbit_optim.state_bytes`` after training (the moments' tensors, inner
+  tensors of quantized states; fp32 AdamW is 8 bytes/param).
+- optimizer step time: wall time of ``optimizer.step()`` alone; the first call (which
+  compiles, for compiled optimizers) is reported separately, the rest as a median. The
+  train step time adds forward, backward and ``zero_grad``.
+- recompiles: Dynamo graphs compiled after the first step (should be 0: the LR changes every
+  step).
+- peak memory: the most tensor memory live at once during a training step (parameters,
+  gradients, optimizer state, activations, temporaries). On CUDA it is
+  ``torch.cuda.max_memory_allocated`` over all steps after the first; on CPU, where no such
+  counter exists, it is the tensors live before one extra step after training (parameters,
+  buffers, optimizer state) plus the highest point of the allocations the profiler records
+  during that step. Process RSS is not used: the interpreter, libraries and compiler make it
+  hundreds of MB and hide a few MB of optimizer state.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from lowbit_optim import state_bytes
+from lowbit_optim.bench import harness
+from lowbit_optim.bench.data import Corpus, batch_offsets, get_batch
+from lowbit_optim.bench.model import ByteGPT, ModelConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    steps: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    min_lr_ratio: float
+    eval_every: int
+    eval_batches: int
+    seed: int
+
+
+def warmup_cosine(config: TrainConfig):
+    """LR multiplier: linear warmup, then cosine decay to ``min_lr_ratio`` (for ``LambdaLR``)."""
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
+    return factor
+
+
+class Evaluator:
+    """Mean loss on fixed windows of the train and validation text (the same for everyone)."""
+
+    def __init__(self, corpus: Corpus, config: TrainConfig, device: torch.device):
+        self.corpus, self.device, self.context = corpus, device, config.model.context
+        count, batch = config.eval_batches, config.batch_size
+        # Seeds away from the training order's, so evaluation windows are not training batches.
+        self.offsets = {
+            "train": batch_offsets(corpus.train, count=count, batch_size=batch,
+                                   context=self.context, seed=config.seed + 10_000),
+            "val": batch_offsets(corpus.val, count=count, batch_size=batch,
+                                 context=self.context, seed=config.seed + 20_000),
+        }
+
+    @torch.no_grad()
+    def loss(self, model: ByteGPT, split: str) -> float:
+        data = getattr(self.corpus, split)
+        model.eval()
+        losses = [model(*get_batch(data, offsets, self.context, self.device)).item()
+                  for offsets in self.offsets[split]]
+        model.train()
+        return sum(losses) / len(losses)
+
+
+def live_model_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return sum(t.nbytes for t in tensors + grads) + state_bytes(optimizer, include_step=True)
+
+
+def cpu_step_peak_bytes(train_step, model, optimizer) -> int:
+    """Peak tensor bytes during one ``train_step()`` on CPU (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before = live_model_bytes(model, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    running = highest = 0
+    for event in events:
+        running += event.nbytes()
+        highest = max(highest, running)
+    return before + highest
+
+
+def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
+          progress=None) -> dict:
+    """Train ``ByteGPT`` with optimizer ``name``; returns one result row (see module doc)."""
+    torch.manual_seed(config.seed)
+    model = ByteGPT(config.model).to(device)
+    num_params = sum(p.numel() for p in model.parameters())
+    optimizer = harness.make_optimizer(name, model.parameters(), lr=config.lr,
+                                       betas=config.betas, weight_decay=config.weight_decay)
+    scheduler = LambdaLR(optimizer, warmup_cosine(config))
+    offsets = batch_offsets(corpus.train, count=config.steps, batch_size=config.batch_size,
+                            context=config.model.context, seed=config.seed)
+    evaluator = Evaluator(corpus, config, device)
+
+    def forward_backward(step: int) -> None:
+        loss = model(*get_batch(corpus.train, offsets[step], config.model.context, device))
+        loss.backward()
+        train_losses.append(loss.item())
+
+    step_seconds, train_step_seconds, train_losses = [], [], []
+    curve = {"step": [], "train_loss": [], "val_loss": [], "lr": []}
+    first_step_s = graphs_after_first = None
+    for step in range(config.steps):
+        forward_s = harness.timed(functools.partial(forward_backward, step), device)
+        optimizer_s = harness.timed(optimizer.step, device)
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        if step == 0:
+            first_step_s = optimizer_s
+            graphs_after_first = harness.compiled_graphs()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+        else:
+            step_seconds.append(optimizer_s)
+            train_step_seconds.append(forward_s + optimizer_s)
+        last = step == config.steps - 1
+        if (step + 1) % config.eval_every == 0 or last:
+            curve["step"].append(step + 1)
+            curve["train_loss"].append(evaluator.loss(model, "train"))
+            curve["val_loss"].append(evaluator.loss(model, "val"))
+            curve["lr"].append(float(lr))
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(opt=name, loss=f"{train_losses[-1]:.3f}", refresh=False)
+    recompiles = harness.compiled_graphs() - graphs_after_first
+
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        def extra_step():
+            forward_backward(0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peak = cpu_step_peak_bytes(extra_step, model, optimizer)
+
+    moments = state_bytes(optimizer)
+    return {
+        "optimizer": name,
+        "label": harness.OPTIMIZERS[name].label,
+        "seed": config.seed,
+        "params": num_params,
+        "state_bytes": moments,
+        "state_bytes_per_param": moments / num_params,
+        "peak_memory_bytes": peak,
+        "first_step_s": first_step_s,
+        "step_ms": harness.median_ms(step_seconds),
+        "train_step_ms": harness.median_ms(train_step_seconds),
+        "recompiles_after_first_step": recompiles,
+        "final_train_loss": curve["train_loss"][-1],
+        "final_val_loss": curve["val_loss"][-1],
+        "curve": curve,
+        "nonfinite_loss": any(not math.isfinite(x) for x in train_losses),
+    }

@@ -1,0 +1,314 @@
+"""Optimizer checkpoints: checking a state dict before it is loaded, and converting between
+``torch.optim.AdamW`` state dicts and ours.
+
+``LowBitAdamW.load_state_dict`` runs ``prepare_load`` before ``torch.optim.Optimizer``'s own
+loading and ``PreparedLoad.finish`` after it. That wrapper exists for three reasons:
+
+* a state dict that does not fit is refused, naming the parameter, before anything changes
+  (``validate_state_dict``);
+* ``Optimizer.load_state_dict`` casts every floating-point state tensor to its parameter's
+  dtype. Quantized moments only relabel their dtype under that cast (``state._to_copy``), but
+  the float32 moments of small parameters would be rounded to bfloat16 for bfloat16
+  parameters, so they are held back from the cast and put back as float32;
+* a ``torch.optim.AdamW`` state dict is recognised (its groups have no ``block_size``) and its
+  moments are quantized on the way in (``from_torch_adamw``).
+
+``to_torch_adamw`` goes the other way. See ``docs/checkpoints.md``.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from lowbit_optim.distributed import local
+from lowbit_optim.hyperparams import is_lr_tensor, new_lr_tensor
+from lowbit_optim.state import QuantizedState
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# Group options only this package has; a state dict without them was saved by another optimizer.
+LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round")
+# torch.optim.AdamW's group options, with the values our exported state dicts give them:
+# its own implementation choices, and decoupled weight decay (what makes Adam AdamW).
+TORCH_ADAMW_GROUP_OPTIONS = {
+    "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+    "decoupled_weight_decay": True,
+}
+
+
+@dataclass
+class _Slot:
+    """Where a saved parameter id lands: the parameter it maps to, and its saved group."""
+
+    param: torch.Tensor
+    group: dict
+    label: str
+
+
+def _slots(optimizer, state_dict) -> dict:
+    """Saved parameter id -> ``_Slot``, checking that the groups line up."""
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    slots = {}
+    for group_index, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"parameter group {group_index} of the loaded state dict has "
+                f"{len(saved['params'])} parameters, this optimizer's has {len(group['params'])}"
+            )
+        names = saved.get("param_names") or group.get("param_names")
+        for position, (saved_id, param) in enumerate(zip(saved["params"], group["params"])):
+            name = f" {names[position]!r}" if names else ""
+            label = (
+                f"parameter {saved_id}{name} (group {group_index}, position {position}, "
+                f"shape {tuple(param.shape)})"
+            )
+            slots[saved_id] = _Slot(param, saved, label)
+    return slots
+
+
+def _slot_for(slots: dict, saved_id) -> _Slot:
+    if saved_id not in slots:
+        raise ValueError(f"loaded state dict has state for parameter id {saved_id!r}, which no group lists")
+    return slots[saved_id]
+
+
+def _quantized(param: torch.Tensor, group: dict) -> bool:
+    """Whether the optimizer keeps this parameter's moments quantized (as ``_init_state``)."""
+    return param.numel() > 0 and param.numel() >= group["min_quant_size"]
+
+
+def _moment_format(optimizer, key: str):
+    return optimizer.exp_avg_format if key == "exp_avg" else optimizer.exp_avg_sq_format
+
+
+def _moment_keys(group: dict) -> tuple[str, ...]:
+    return MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
+
+
+def is_torch_adamw_state_dict(state_dict) -> bool:
+    """Whether ``state_dict`` comes from ``torch.optim.AdamW`` (or another optimizer without
+    our group options) rather than from a ``LowBitAdamW``."""
+    groups = state_dict.get("param_groups", []) if isinstance(state_dict, Mapping) else []
+    return bool(groups) and all(not any(k in g for k in LOWBIT_GROUP_KEYS) for g in groups)
+
+
+# --- validation ---------------------------------------------------------------------------
+def validate_state_dict(optimizer, state_dict) -> None:
+    """Raise ``ValueError`` naming the parameter if ``state_dict`` does not fit ``optimizer``.
+
+    Checks group and parameter counts, each group's hyperparameters, and every state entry:
+    ``step`` a finite count; the moments present (``max_exp_avg_sq`` exactly when amsgrad is
+    on), shaped like the parameter, quantized exactly when the parameter has at least
+    ``min_quant_size`` elements, in this optimizer's formats and the group's block size,
+    with codes and scales of the right dtype and shape and finite, non-negative scales.
+    Nothing is modified.
+    """
+    slots = _slots(optimizer, state_dict)
+    for index, saved in enumerate(state_dict["param_groups"]):
+        try:
+            optimizer._check_group({**optimizer.defaults, **saved})
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"parameter group {index} of the loaded state dict: {error}") from None
+    for saved_id, entry in state_dict["state"].items():
+        slot = _slot_for(slots, saved_id)
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{slot.label}: its state is a {type(entry).__name__}, not a dict")
+        _check_step(slot, entry.get("step"))
+        group = {**optimizer.defaults, **slot.group}
+        keys = _moment_keys(group)
+        missing = [key for key in keys if key not in entry]
+        if missing:
+            raise ValueError(f"{slot.label}: state has no {', '.join(missing)}")
+        if not group["amsgrad"] and "max_exp_avg_sq" in entry:
+            raise ValueError(f"{slot.label}: state has max_exp_avg_sq but its group has amsgrad=False")
+        for key in keys:
+            _check_moment(optimizer, slot, group, key, entry[key])
+
+
+def _check_step(slot: _Slot, step) -> None:
+    if isinstance(step, torch.Tensor):
+        ok = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
+        value = float(step) if ok else None
+    else:
+        ok = isinstance(step, (int, float)) and not isinstance(step, bool)
+        value = float(step) if ok else None
+    if not ok or not (0 <= value < float("inf")):
+        raise ValueError(f"{slot.label}: 'step' must be a finite count >= 0, got {step!r}")
+
+
+def _check_moment(optimizer, slot: _Slot, group: dict, key: str, value) -> None:
+    where = f"{slot.label}: {key}"
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} is a {type(value).__name__}, not a tensor")
+    if tuple(value.shape) != tuple(slot.param.shape):
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, not the parameter's")
+    shard = local(value)
+    if not _quantized(slot.param, group):
+        if isinstance(shard, QuantizedState) or not shard.is_floating_point():
+            got = "a QuantizedState" if isinstance(shard, QuantizedState) else f"a {shard.dtype} tensor"
+            raise ValueError(
+                f"{where} must be a float tensor (the parameter has fewer than min_quant_size="
+                f"{group['min_quant_size']} elements), got {got}"
+            )
+        return
+    fmt, block_size = _moment_format(optimizer, key), group["block_size"]
+    if not isinstance(shard, QuantizedState):
+        raise ValueError(
+            f"{where} must be a QuantizedState ({fmt.name}, block_size={block_size}), got a "
+            f"plain {shard.dtype} tensor"
+        )
+    if shard.format_name != fmt.name:
+        raise ValueError(
+            f"{where} is stored as {shard.format_name}; {type(optimizer).__name__} uses {fmt.name} "
+            "(convert through lowbit_optim.checkpoint.to_torch_adamw to switch formats)"
+        )
+    num_blocks = fmt.num_blocks(shard.numel(), block_size)
+    codes_shape = (num_blocks, block_size // fmt.codes_per_byte)
+    codes, scales = shard.codes, shard.scales
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape:
+        raise ValueError(
+            f"{where}: codes are {codes.dtype} {tuple(codes.shape)}, expected torch.uint8 "
+            f"{codes_shape} for block_size={block_size}"
+        )
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (num_blocks,):
+        raise ValueError(
+            f"{where}: scales are {scales.dtype} {tuple(scales.shape)}, expected torch.float32 "
+            f"({num_blocks},)"
+        )
+    if codes.device != scales.device:
+        raise ValueError(f"{where}: codes on {codes.device} but scales on {scales.device}")
+    if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+        raise ValueError(f"{where}: scales must be finite and >= 0")
+
+
+# --- loading --------------------------------------------------------------------------------
+@dataclass
+class PreparedLoad:
+    """A checked state dict ready for ``Optimizer.load_state_dict``, minus what its dtype cast
+    would damage: float32 moments (and ``step``), put back by ``finish``. ``held`` maps a
+    saved parameter id to its state's key order and the held-back values."""
+
+    state_dict: dict
+    slots: dict
+    held: dict
+
+    def finish(self, optimizer) -> None:
+        for saved_id, (order, values) in self.held.items():
+            param = self.slots[saved_id].param
+            state = dict(optimizer.state[param])
+            for key, value in values.items():
+                if key == "step":
+                    # Our steps read it as a 0-d CPU float32 tensor whatever the device.
+                    state[key] = torch.as_tensor(value).to(device="cpu", dtype=torch.float32)
+                else:
+                    state[key] = value.to(device=param.device, dtype=torch.float32)
+            optimizer.state[param] = {key: state[key] for key in order}
+        # The step reads each group's LR from its own 0-d CPU float32 tensor (hyperparams).
+        seen = set()
+        for group in optimizer.param_groups:
+            lr = group["lr"]
+            if not is_lr_tensor(lr) or id(lr) in seen:
+                group["lr"] = lr = new_lr_tensor(lr)
+            seen.add(id(lr))
+
+
+def prepare_load(optimizer, state_dict) -> PreparedLoad:
+    """Convert (if it is a ``torch.optim.AdamW`` one) and check ``state_dict`` for
+    ``optimizer``; raises ``ValueError`` without touching anything if it does not fit."""
+    if is_torch_adamw_state_dict(state_dict):
+        state_dict = from_torch_adamw(optimizer, state_dict)
+    validate_state_dict(optimizer, state_dict)
+    slots = _slots(optimizer, state_dict)
+    state, held = {}, {}
+    for saved_id, entry in state_dict["state"].items():
+        keep = {k: v for k, v in entry.items() if k != "step" and not _is_plain_moment(k, v)}
+        held[saved_id] = (list(entry), {k: v for k, v in entry.items() if k not in keep})
+        state[saved_id] = keep
+    return PreparedLoad({**state_dict, "state": state}, slots, held)
+
+
+def _is_plain_moment(key, value) -> bool:
+    return key in MOMENT_KEYS and not isinstance(local(value), QuantizedState)
+
+
+# --- conversion -----------------------------------------------------------------------------
+def from_torch_adamw(optimizer, state_dict) -> dict:
+    """A ``torch.optim.AdamW`` state dict as ``optimizer`` (a ``LowBitAdamW``) would save it.
+
+    Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
+    ``state_dict``; ``block_size``, ``min_quant_size`` and ``bf16_stochastic_round`` from the
+    optimizer's current groups. Moments of parameters with at least ``min_quant_size``
+    elements are quantized in the optimizer's formats; the others stay float32.
+    ``optimizer.load_state_dict`` calls this itself when given a torch state dict.
+    """
+    slots = _slots(optimizer, state_dict)
+    groups = []
+    for index, (saved, own) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
+        if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay", 0) != 0:
+            raise ValueError(
+                f"parameter group {index} of the loaded state dict uses L2 weight decay "
+                "(torch.optim.Adam); only AdamW's decoupled weight decay converts"
+            )
+        group = {k: v for k, v in saved.items() if k not in TORCH_ADAMW_GROUP_OPTIONS}
+        group.update({k: own[k] for k in LOWBIT_GROUP_KEYS})
+        groups.append(group)
+    group_of = {saved_id: groups[i] for i, g in enumerate(groups) for saved_id in g["params"]}
+
+    state = {}
+    for saved_id, entry in state_dict["state"].items():
+        slot = _slot_for(slots, saved_id)
+        converted = dict(entry)
+        if "step" in entry:
+            converted["step"] = torch.as_tensor(entry["step"]).to(device="cpu", dtype=torch.float32)
+        group = group_of[saved_id]
+        for key in MOMENT_KEYS:
+            value = entry.get(key)
+            if not isinstance(value, torch.Tensor) or not _quantized(slot.param, group):
+                continue
+            if value.numel() != slot.param.numel():
+                raise ValueError(
+                    f"{slot.label}: {key} has shape {tuple(value.shape)}, not the parameter's"
+                )
+            converted[key] = QuantizedState.zeros(
+                value.shape, _moment_format(optimizer, key), group["block_size"],
+                device=value.device, dtype=slot.param.dtype,
+            ).quantize_(value)
+        state[saved_id] = converted
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+def to_torch_adamw(state_dict) -> dict:
+    """A ``LowBitAdamW`` state dict as a plain ``torch.optim.AdamW`` one.
+
+    Quantized moments are dequantized to float32 tensors of the parameter's shape, float32
+    moments and ``step`` are copied, LRs become Python floats, and the groups get
+    ``torch.optim.AdamW``'s options in place of ours. The result loads into
+    ``torch.optim.AdamW`` (which casts moments to the parameter dtype) or, to switch formats,
+    into another ``LowBitAdamW``. Pass ``optimizer.state_dict()``; nothing is modified.
+    """
+    groups = []
+    for saved in state_dict["param_groups"]:
+        group = {k: v for k, v in saved.items() if k not in LOWBIT_GROUP_KEYS}
+        for key in ("lr", "initial_lr"):
+            if isinstance(group.get(key), torch.Tensor):
+                group[key] = float(group[key])
+        group.update(TORCH_ADAMW_GROUP_OPTIONS)
+        groups.append(group)
+    state = {}
+    for saved_id, entry in state_dict["state"].items():
+        converted = {}
+        for key, value in entry.items():
+            if isinstance(value, QuantizedState):
+                value = value.dequantize(torch.float32)
+            elif isinstance(value, torch.Tensor):
+                value = value.detach().to(torch.float32, copy=True)
+            converted[key] = value
+        state[saved_id] = converted
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,181 @@
+"""Hugging Face ``Trainer``: select our optimizers with ``optim="lowbit_adamw_4bit"``.
+
+    from lowbit_optim.integrations.transformers import register
+    register()
+    args = TrainingArguments(..., optim="lowbit_adamw_4bit", optim_args="block_size=128")
+
+transformers has no public registry of optimizer names. ``TrainingArguments`` converts
+``optim`` into a member of the ``OptimizerNames`` enum (an unknown string raises), and
+``Trainer.get_optimizer_cls_and_kwargs`` looks that member up in the handler table
+``transformers.trainer_optimizer._OPTIMIZER_HANDLERS`` (added by huggingface/transformers#43738),
+where each handler maps an ``OptimizerContext`` to ``(optimizer class, kwargs)``.
+``register()`` touches exactly two things, both additively, and changes nothing already there:
+
+1. ``transformers.training_args.OptimizerNames`` gets one member per name below, stored the
+   way ``enum`` stores members it creates (``_member_map_``, ``_value2member_map_``,
+   ``_member_names_`` and a class attribute), so ``OptimizerNames("lowbit_adamw_4bit")``,
+   iteration (``HfArgumentParser``'s ``--optim`` choices) and ``TrainingArguments.to_dict()``
+   treat it like a built-in name;
+2. ``_OPTIMIZER_HANDLERS`` (the same dict object ``transformers.trainer`` imports) gets one
+   handler per name.
+
+Nothing is monkeypatched: no transformers function or class is replaced. On a transformers
+without the handler table (before #43738) ``register()`` raises ``RuntimeError`` naming the
+routes that need no registration (``Trainer(optimizer_cls_and_kwargs=...)``).
+"""
+
+import enum
+
+from lowbit_optim.adamw import AdamW4bit, AdamW8bit
+
+# optim name -> optimizer class. Names carry the "lowbit_" prefix: transformers already uses
+# "adamw_8bit" (bitsandbytes) and "adamw_torch_4bit" (torchao).
+OPTIMIZERS = {
+    "lowbit_adamw_8bit": AdamW8bit,
+    "lowbit_adamw_4bit": AdamW4bit,
+}
+
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+def _parse_int(value: str) -> int:
+    return int(value, 10)
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"expected one of {_TRUE + _FALSE}")
+
+
+def _parse_backend(value: str) -> str | None:
+    return None if value.lower() == "none" else value
+
+
+# The constructor options that TrainingArguments has no field for. lr, betas, eps and
+# weight_decay come from learning_rate, adam_beta1/2, adam_epsilon and weight_decay.
+OPTIM_ARGS = {
+    "block_size": ("an int", _parse_int),
+    "min_quant_size": ("an int", _parse_int),
+    "bf16_stochastic_round": ("a bool (true/false)", _parse_bool),
+    "amsgrad": ("a bool (true/false)", _parse_bool),
+    "backend": ('"compile", "eager" or "none"', _parse_backend),
+}
+
+
+def parse_optim_args(optim_args: dict[str, str], optim: str = "lowbit optimizer") -> dict:
+    """Typed constructor kwargs from transformers' ``{key: string}`` parse of ``optim_args``.
+
+    Raises ``ValueError`` naming the offending key (and value). Range checks (a block size
+    that is not a power of two, ...) are the optimizer constructor's, with its wording.
+    """
+    kwargs = {}
+    for key, value in optim_args.items():
+        if key not in OPTIM_ARGS:
+            raise ValueError(
+                f"Unknown optim_args key {key!r} for optim={optim!r}; supported keys: "
+                f"{', '.join(OPTIM_ARGS)}"
+            )
+        expected, parse = OPTIM_ARGS[key]
+        try:
+            kwargs[key] = parse(value)
+        except ValueError as error:
+            raise ValueError(
+                f"Invalid optim_args value {key}={value!r} for optim={optim!r}: {expected} is needed"
+            ) from error
+    return kwargs
+
+
+def _make_handler(optimizer_cls):
+    def handler(ctx):
+        """transformers' handler protocol: ``OptimizerContext -> (class, kwargs)``."""
+        optim = getattr(ctx.args.optim, "value", ctx.args.optim)
+        kwargs = dict(ctx.optimizer_kwargs)  # {"lr": args.learning_rate}
+        kwargs.update(ctx.adam_kwargs)  # betas, eps
+        # Trainer's two param groups set their own weight_decay (args.weight_decay / 0.0);
+        # this default serves callers that pass plain parameters.
+        kwargs["weight_decay"] = ctx.args.weight_decay
+        kwargs.update(parse_optim_args(ctx.optim_args, optim))
+        return optimizer_cls, kwargs
+
+    handler.__name__ = handler.__qualname__ = f"lowbit_optim_{optimizer_cls.__name__}_handler"
+    handler.lowbit_optim_handler = True
+    return handler
+
+
+# Built once, so that a repeated register() puts back the very same functions.
+_HANDLERS = {name: _make_handler(optimizer_cls) for name, optimizer_cls in OPTIMIZERS.items()}
+
+
+def _transformers_parts():
+    """(OptimizerNames, handler table) of the installed transformers, or a clear error."""
+    try:
+        import transformers
+        from transformers import trainer, trainer_optimizer
+        from transformers.training_args import OptimizerNames
+    except ImportError as error:
+        raise ImportError(
+            "lowbit_optim.integrations.transformers needs transformers: "
+            "pip install 'lowbit-optim[hf]'"
+        ) from error
+    handlers = getattr(trainer_optimizer, "_OPTIMIZER_HANDLERS", None)
+    problems = []
+    if not isinstance(handlers, dict) or not hasattr(trainer_optimizer, "OptimizerContext"):
+        problems.append("transformers.trainer_optimizer has no _OPTIMIZER_HANDLERS table")
+    elif getattr(trainer, "_OPTIMIZER_HANDLERS", None) is not handlers:
+        problems.append("Trainer does not read transformers.trainer_optimizer._OPTIMIZER_HANDLERS")
+    enum_parts = ("_member_map_", "_value2member_map_", "_member_names_", "_member_type_")
+    is_enum = isinstance(OptimizerNames, enum.EnumMeta)
+    if not (is_enum and all(hasattr(OptimizerNames, part) for part in enum_parts)):
+        problems.append("transformers.training_args.OptimizerNames is not a standard Enum")
+    if problems:
+        raise RuntimeError(
+            f"lowbit_optim.integrations.transformers.register() cannot work with transformers "
+            f"{transformers.__version__}: {'; '.join(problems)}. It needs the optimizer handler "
+            "table that transformers.trainer_optimizer has since huggingface/transformers#43738 "
+            "(tested with 5.24.0). Without registering, pass the optimizer yourself: "
+            "Trainer(..., optimizer_cls_and_kwargs=(AdamW4bit, {'lr': ...})) or "
+            "Trainer(..., optimizers=(optimizer, scheduler)); see docs/huggingface.md."
+        )
+    return OptimizerNames, handlers
+
+
+def _add_member(enum_cls, name: str, value: str):
+    """Add ``name = value`` to ``enum_cls`` as ``enum`` adds a member at class creation;
+    return the existing member if the value is already there."""
+    existing = enum_cls._value2member_map_.get(value)
+    if existing is not None:
+        return existing
+    member = enum_cls._member_type_.__new__(enum_cls, value)
+    member._value_ = value
+    member._name_ = name
+    member.__objclass__ = enum_cls
+    member._sort_order_ = len(enum_cls._member_names_)
+    # EnumMeta.__setattr__ refuses names already in _member_map_, so the attribute goes first.
+    setattr(enum_cls, name, member)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
+def register() -> tuple[str, ...]:
+    """Make ``TrainingArguments(optim=...)`` accept ``"lowbit_adamw_8bit"`` and
+    ``"lowbit_adamw_4bit"``. Idempotent; imports transformers. Call it before building
+    ``TrainingArguments`` or an ``HfArgumentParser`` (the parser reads its ``--optim``
+    choices when it is built). Returns the registered names."""
+    optimizer_names, handlers = _transformers_parts()
+    for value in OPTIMIZERS:
+        existing = optimizer_names._value2member_map_.get(value)
+        if existing is not None and existing in handlers and not getattr(
+            handlers[existing], "lowbit_optim_handler", False
+        ):
+            raise RuntimeError(
+                f"transformers already has an optimizer named {value!r}; not replacing it"
+            )
+        member = _add_member(optimizer_names, value.upper(), value)
+        handlers[member] = _HANDLERS[value]
+    return tuple(OPTIMIZERS)

@@ -1,0 +1,88 @@
+"""Multi-tensor layout: which parameter each program of one launch serves, and where its tensors are.
+
+One launch covers a list of parameters of one kind. A program handles ``rows`` consecutive
+blocks of a single parameter (each parameter's last program is partly masked), so its
+tensors are found with one scalar load per tensor instead of one per element. The layout is
+two small device tensors:
+
+* ``table`` (int64, one row per parameter): for each of the eight tensor lists (param, grad,
+  exp_avg codes and scales, exp_avg_sq codes and scales, max codes and scales) the offset
+  in elements of this parameter's tensor from the list's first tensor, which the kernel
+  receives as a typed pointer; then ``numel`` and the parameter's first program;
+* ``program_param`` (int32, one entry per program): the parameter's row.
+
+Offsets from a base pointer, rather than raw addresses, keep every pointer typed, so one
+kernel serves every parameter dtype without casting integers to pointers. Building a layout
+copies it to the device, so layouts are cached by the tensors' addresses and sizes: while
+they stay where they are (parameters and states always do; gradients do when they are kept
+between steps or the caching allocator hands back the same blocks), a step launches
+without any host-to-device copy.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+LAYOUT_COLUMNS = 10
+NUMEL, FIRST_PROGRAM = 8, 9
+# Offsets that are multiples of 16 elements let the kernel promise aligned, vectorisable
+# loads; anything else (odd views) gets the unaligned kernel variant.
+ALIGNMENT_ELEMENTS = 16
+CACHE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    table: torch.Tensor
+    program_param: torch.Tensor
+    num_programs: int
+    aligned: bool
+
+
+_CACHE: OrderedDict = OrderedDict()
+
+
+def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_size: int, rows: int,
+               device: torch.device) -> Layout:
+    """The layout for these tensors (eight lists, one tensor per parameter in each)."""
+    addresses = tuple(tuple(t.data_ptr() for t in tensors) for tensors in tensor_lists)
+    key = (device, block_size, rows, addresses, tuple(numels))
+    layout = _CACHE.get(key)
+    if layout is None:
+        element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
+        layout = _build(addresses, element_sizes, numels, block_size, rows, device)
+        _CACHE[key] = layout
+        if len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return layout
+
+
+def _build(addresses, element_sizes, numels, block_size, rows, device) -> Layout:
+    num_params = len(numels)
+    table = torch.zeros(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
+    aligned = True
+    for column, (column_addresses, size) in enumerate(zip(addresses, element_sizes)):
+        base = column_addresses[0]
+        aligned &= base % 16 == 0
+        for row, address in enumerate(column_addresses):
+            offset, remainder = divmod(address - base, size)
+            if remainder:
+                raise ValueError("tensor addresses are not whole elements apart")
+            aligned &= offset % ALIGNMENT_ELEMENTS == 0
+            table[row, column] = offset
+    programs = torch.tensor([_ceil_div(_ceil_div(n, block_size), rows) for n in numels], dtype=torch.int64)
+    table[:, NUMEL] = torch.tensor(numels, dtype=torch.int64)
+    table[:, FIRST_PROGRAM] = torch.cumsum(programs, 0) - programs
+    program_param = torch.repeat_interleave(torch.arange(num_params, dtype=torch.int32), programs)
+    return Layout(table.to(device), program_param.to(device), int(programs.sum()), aligned)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

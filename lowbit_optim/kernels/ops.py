@@ -1,0 +1,142 @@
+"""The torch-facing side of the Triton kernel: a ``torch.library`` custom op and the group step.
+
+``torch.ops.lowbit_optim.adamw_lowbit_step`` updates lists of parameters and their quantized
+moments in place with one kernel launch. Being a custom op with a fake implementation, it
+can sit inside ``torch.compile``d code: the compiler sees an opaque in-place op instead of
+tracing into Triton's launcher. Hyperparameters are 0-d CPU tensors, read on the host with
+``.item()`` (no device sync: they never left the CPU) and passed to the kernel as runtime
+scalars, so a schedule neither recompiles anything nor copies anything to the device.
+
+``step_group`` is what ``LowBitAdamW`` calls with every quantized parameter of a param
+group: it sorts them into kinds (formats, block size, dtypes, device, step count, amsgrad)
+and makes one launch per kind, so the number of launches does not grow with the number of
+parameters.
+"""
+
+import torch
+from torch import Tensor
+
+from lowbit_optim.kernels import adamw_lowbit
+from lowbit_optim.quant.formats import get_format
+
+_MUTATED = ("params", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales",
+            "max_exp_avg_sq_codes", "max_exp_avg_sq_scales")
+
+
+def _host_float(name: str, value: Tensor) -> float:
+    if value.device.type != "cpu" or value.numel() != 1:
+        raise ValueError(
+            f"{name} must be a 1-element CPU tensor (got device {value.device}, shape "
+            f"{tuple(value.shape)}): reading a device scalar would synchronise every step"
+        )
+    return value.item()
+
+
+@torch.library.custom_op("lowbit_optim::adamw_lowbit_step", mutates_args=_MUTATED)
+def adamw_lowbit_step(
+    params: list[Tensor], grads: list[Tensor], exp_avg_codes: list[Tensor], exp_avg_scales: list[Tensor],
+    exp_avg_sq_codes: list[Tensor], exp_avg_sq_scales: list[Tensor], max_exp_avg_sq_codes: list[Tensor],
+    max_exp_avg_sq_scales: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
+    weight_decay: Tensor, step: Tensor, *, exp_avg_format: str, exp_avg_sq_format: str, maximize: bool,
+    stochastic_round: bool,
+) -> None:
+    """One quantized AdamW step for every parameter given, in place, in one launch.
+
+    ``params`` (contiguous, one dtype) and ``grads`` (one dtype) pair up with the moments'
+    codes and scales (``QuantizedState.codes``/``.scales``); the ``max_exp_avg_sq`` lists are
+    empty unless amsgrad is on. All parameters share ``step``.
+    """
+    exp_avg_fmt, exp_avg_sq_fmt = get_format(exp_avg_format), get_format(exp_avg_sq_format)
+    amsgrad = bool(max_exp_avg_sq_codes)
+    lists = [grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales]
+    if amsgrad:
+        lists += [max_exp_avg_sq_codes, max_exp_avg_sq_scales]
+    elif max_exp_avg_sq_scales:
+        raise ValueError("max_exp_avg_sq_codes and max_exp_avg_sq_scales must both be given or both empty")
+    if any(len(tensors) != len(params) for tensors in lists):
+        raise ValueError("every tensor list must have one entry per parameter")
+    if not params:
+        return
+    block_size = exp_avg_codes[0].shape[-1] * exp_avg_fmt.codes_per_byte
+    for param, codes_and_scales in zip(params, zip(*lists[1:])):
+        _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fmt)
+    if any(not p.is_contiguous() for p in params):
+        raise ValueError("params must be contiguous (step_group handles non-contiguous ones)")
+    names = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
+    values = [_host_float(n, v) for n, v in zip(names, (lr, beta1, beta2, eps, weight_decay, step))]
+    seed = 0
+    if stochastic_round and params[0].dtype == torch.bfloat16:
+        # From torch's CPU generator, so torch.manual_seed makes runs repeatable.
+        seed = int(torch.randint(2**31 - 1, ()))
+
+    def pairs(codes, scales):
+        return list(zip(codes, scales))
+
+    adamw_lowbit.launch(
+        [p.view(-1) for p in params], [g.reshape(-1) for g in grads],
+        pairs(exp_avg_codes, exp_avg_scales), pairs(exp_avg_sq_codes, exp_avg_sq_scales),
+        pairs(max_exp_avg_sq_codes, max_exp_avg_sq_scales) if amsgrad else None,
+        adamw_lowbit.host_scalars(*values),
+        exp_avg_format=exp_avg_fmt, exp_avg_sq_format=exp_avg_sq_fmt, block_size=block_size,
+        maximize=maximize, stochastic_round=stochastic_round, seed=seed,
+    )
+
+
+@adamw_lowbit_step.register_fake
+def _(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
+      max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step, *,
+      exp_avg_format, exp_avg_sq_format, maximize, stochastic_round):
+    return None
+
+
+def _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fmt) -> None:
+    num_blocks = -(-param.numel() // block_size)
+    formats = [exp_avg_fmt, exp_avg_fmt] + [exp_avg_sq_fmt] * (len(codes_and_scales) - 2)
+    for index in range(0, len(codes_and_scales), 2):
+        codes, scales = codes_and_scales[index], codes_and_scales[index + 1]
+        fmt = formats[index]
+        expected = (num_blocks, block_size // fmt.codes_per_byte)
+        if tuple(codes.shape) != expected or codes.dtype != torch.uint8:
+            raise ValueError(f"codes of shape {tuple(codes.shape)} ({codes.dtype}) do not fit a parameter "
+                             f"of {param.numel()} elements: {expected} uint8 expected")
+        if tuple(scales.shape) != (num_blocks,) or scales.dtype != torch.float32:
+            raise ValueError(f"scales of shape {tuple(scales.shape)} ({scales.dtype}) do not fit: "
+                             f"({num_blocks},) float32 expected")
+        if codes.device != param.device or scales.device != param.device:
+            raise ValueError(f"state on {codes.device} does not match parameter on {param.device}")
+
+
+def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
+               weight_decay: Tensor, *, maximize: bool, stochastic_round: bool) -> None:
+    """Step quantized parameters of one param group, one launch per kind.
+
+    ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
+    ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced).
+    """
+    kinds: dict[tuple, list[tuple]] = {}
+    for entry in entries:
+        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step = entry
+        key = (exp_avg.format_name, exp_avg_sq.format_name, exp_avg.block_size, param.dtype, grad.dtype,
+               param.device, float(step), max_exp_avg_sq is not None)
+        kinds.setdefault(key, []).append(entry)
+    for kind in kinds.values():
+        params = [e[0].detach() for e in kind]
+        # The kernel needs contiguous memory; a non-contiguous parameter steps a copy.
+        work = [p if p.is_contiguous() else p.contiguous() for p in params]
+        amsgrad = kind[0][4] is not None
+        moments = [[e[i] for e in kind] for i in (2, 3, 4)]
+
+        def inner(states):
+            if states[0] is None:
+                return [], []
+            return [s.codes for s in states], [s.scales for s in states]
+
+        torch.ops.lowbit_optim.adamw_lowbit_step(
+            work, [e[1].detach().contiguous() for e in kind], *inner(moments[0]), *inner(moments[1]),
+            *inner(moments[2] if amsgrad else [None]), lr, beta1, beta2, eps, weight_decay, kind[0][5],
+            exp_avg_format=kind[0][2].format_name, exp_avg_sq_format=kind[0][3].format_name,
+            maximize=maximize, stochastic_round=stochastic_round,
+        )
+        for param, copy in zip(params, work):
+            if copy is not param:
+                param.copy_(copy)

@@ -1,0 +1,165 @@
+"""The benchmark command end to end (``--quick``), and the pieces whose numbers it reports."""
+
+import json
+import math
+
+import matplotlib.image
+import pytest
+import torch
+
+from lowbit_optim import AdamW4bit, AdamW8bit
+from lowbit_optim.bench import harness
+from lowbit_optim.bench.__main__ import DEFAULT_OPTIMIZERS, PRESETS, main
+from lowbit_optim.bench.data import batch_offsets, get_batch, load_corpus
+from lowbit_optim.bench.model import ByteGPT
+from lowbit_optim.bench.train import TrainConfig, warmup_cosine
+
+UNIFORM_LOSS = math.log(256)  # a model that has learned nothing about bytes
+
+
+def expected_state_bytes(model: torch.nn.Module, optimizer_cls) -> int:
+    """Independent count of what the two moments must take: quantized tensors hold one
+    code per element (padded to whole blocks, 4-bit packed two per byte) plus one fp32 scale
+    per block; tensors below ``min_quant_size`` (4096) keep two fp32 moments."""
+    if optimizer_cls is None:
+        return sum(8 * p.numel() for p in model.parameters())
+    bits = optimizer_cls.exp_avg_format.bits
+    block = optimizer_cls.exp_avg_format.default_block_size
+    total = 0
+    for param in model.parameters():
+        if param.numel() < 4096:
+            total += 8 * param.numel()
+        else:
+            blocks = -(-param.numel() // block)
+            total += 2 * (blocks * block * bits // 8 + 4 * blocks)
+    return total
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_quick_run_rows_and_environment(quick_run):
+    _, results = quick_run
+    assert results["benchmark"] == "train"
+    assert [row["optimizer"] for row in results["rows"]] == list(DEFAULT_OPTIMIZERS)
+    env = results["environment"]
+    assert env["torch"] == torch.__version__
+    assert env["versions"]["lowbit-optim"] is not None
+    assert env["cpu_count"] >= 1 and env["device"] == "cpu"
+    assert all(row["machine"] and row["torch"] == torch.__version__ for row in results["rows"])
+    assert results["config"]["model_size"] == "quick"
+    assert results["config"]["steps"] == PRESETS["quick"]["steps"]
+
+
+def test_quick_run_state_bytes_match_the_formats(quick_run):
+    _, results = quick_run
+    model = ByteGPT(PRESETS["quick"]["model"])
+    rows = {row["optimizer"]: row for row in results["rows"]}
+    expected = {"torch_adamw": expected_state_bytes(model, None),
+                "lowbit_8bit": expected_state_bytes(model, AdamW8bit),
+                "lowbit_4bit": expected_state_bytes(model, AdamW4bit)}
+    for name, count in expected.items():
+        assert rows[name]["state_bytes"] == count, name
+        assert rows[name]["params"] == sum(p.numel() for p in model.parameters())
+        assert rows[name]["state_saving"] == pytest.approx(expected["torch_adamw"] / count)
+    assert rows["torch_adamw"]["state_bytes_per_param"] == 8.0
+
+
+def test_quick_run_learns_and_compares_to_fp32(quick_run):
+    _, results = quick_run
+    rows = {row["optimizer"]: row for row in results["rows"]}
+    fp32_val = rows["torch_adamw"]["final_val_loss"]
+    for name, row in rows.items():
+        # 30 steps from uniform guessing (5.55 nats) reach ~3.1 here; 4.4 (80% of uniform)
+        # only fails if an optimizer barely trains.
+        assert row["final_train_loss"] < 0.8 * UNIFORM_LOSS, name
+        assert row["final_val_loss"] < 0.8 * UNIFORM_LOSS, name
+        assert row["val_gap_pct"] == pytest.approx(100 * (row["final_val_loss"] / fp32_val - 1))
+        # At 30 steps seed noise is a few percent; an optimizer with a broken update lands
+        # tens of percent away.
+        assert abs(row["val_gap_pct"]) < 10, name
+        # The LR changes every step; nothing may recompile after the first step.
+        assert row["recompiles_after_first_step"] == 0, name
+        assert row["step_ms"] > 0 and row["train_step_ms"] >= row["step_ms"]
+        assert row["first_step_s"] > 0
+
+
+def test_quick_run_same_schedule_and_curves(quick_run):
+    _, results = quick_run
+    runs = results["config"]["runs"]
+    steps = PRESETS["quick"]["steps"]
+    config = TrainConfig(steps=steps, warmup_steps=steps // 10, min_lr_ratio=0.1, weight_decay=0.1,
+                         betas=(0.9, 0.95), seed=0, **{k: v for k, v in PRESETS["quick"].items()
+                                                       if k != "steps"})
+    factor = warmup_cosine(config)
+    expected_lr = [PRESETS["quick"]["lr"] * factor(step - 1) for step in runs[0]["curve"]["step"]]
+    for run in runs:
+        assert run["curve"]["step"] == [15, 30]
+        assert run["curve"]["lr"] == pytest.approx(expected_lr, rel=1e-6)
+        assert len(run["curve"]["val_loss"]) == 2 and not run["nonfinite_loss"]
+
+
+def test_quick_run_peak_memory(quick_run):
+    _, results = quick_run
+    model = ByteGPT(PRESETS["quick"]["model"])
+    param_bytes = sum(p.nbytes for p in model.parameters())
+    rows = {row["optimizer"]: row for row in results["rows"]}
+    for name, row in rows.items():
+        # At least parameters + gradients + state are live at the peak of a step.
+        assert row["peak_memory_bytes"] >= 2 * param_bytes + row["state_bytes"], name
+    # The state saved (~0.7 MB here) outweighs the quantized step's temporaries.
+    assert rows["lowbit_8bit"]["peak_memory_bytes"] < rows["torch_adamw"]["peak_memory_bytes"]
+    assert rows["lowbit_4bit"]["peak_memory_bytes"] < rows["torch_adamw"]["peak_memory_bytes"]
+
+
+def test_quick_run_writes_table_and_plots(quick_run):
+    out, results = quick_run
+    table = (out / "table.md").read_text()
+    for row in results["rows"]:
+        assert f"| {row['label']} |" in table
+    assert "val gap vs fp32" in table and "core CPU" in table
+    for name in ("loss_curves.png", "memory.png"):
+        image = matplotlib.image.imread(out / name)
+        assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600, name
+        # Not blank: a plot has lines/bars in several colours.
+        assert image[..., :3].std() > 0.05, name
+        assert len({tuple(px) for px in image[::7, ::7, :3].reshape(-1, 3).round(1).tolist()}) > 5
+
+
+def test_warmup_cosine_shape():
+    config = TrainConfig(model=PRESETS["quick"]["model"], steps=100, batch_size=1, lr=1.0,
+                         weight_decay=0.0, betas=(0.9, 0.95), warmup_steps=10, min_lr_ratio=0.1,
+                         eval_every=10, eval_batches=1, seed=0)
+    factor = warmup_cosine(config)
+    assert factor(0) == pytest.approx(0.1)
+    assert factor(9) == pytest.approx(1.0)
+    assert factor(10) == pytest.approx(1.0)
+    assert factor(55) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert factor(100) == pytest.approx(0.1)
+
+
+def test_corpus_split_and_batches():
+    corpus = load_corpus()
+    assert corpus.val.numel() > 10_000 and corpus.train.numel() > 8 * corpus.val.numel()
+    first = batch_offsets(corpus.train, count=3, batch_size=4, context=32, seed=5)
+    assert torch.equal(first, batch_offsets(corpus.train, count=3, batch_size=4, context=32, seed=5))
+    inputs, targets = get_batch(corpus.train, first[0], 32, torch.device("cpu"))
+    assert inputs.shape == targets.shape == (4, 32)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the next bytes
+    assert torch.equal(inputs[0], corpus.train[first[0, 0]: first[0, 0] + 32].long())
+
+
+def test_unknown_optimizer_is_refused():
+    with pytest.raises(ValueError, match="Unknown optimizer 'adam_typo'"):
+        harness.resolve_optimizers(["adam_typo"], all_names=DEFAULT_OPTIMIZERS)
+    names, _ = harness.resolve_optimizers(["lowbit_4bit", "all"], all_names=DEFAULT_OPTIMIZERS)
+    assert names == ["lowbit_4bit", "torch_adamw", "lowbit_8bit"]
+
+
+def test_bad_steps_is_refused():
+    with pytest.raises(SystemExit):
+        main(["--quick", "--steps", "0"])

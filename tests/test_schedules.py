@@ -1,0 +1,184 @@
+"""No recompiles and no per-step device tensors, whatever changes the hyperparameters (issue 3)."""
+
+import pytest
+import torch
+from torch.optim import lr_scheduler
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lowbit_optim import AdamW4bit, AdamW8bit, backends
+
+STEPS = 30
+
+
+def make_model():
+    # Whole blocks plus a tail (4160 = 32.5 blocks of 128), and fp32-state small tensors.
+    return torch.nn.Sequential(torch.nn.Linear(64, 65), torch.nn.Tanh(), torch.nn.Linear(65, 2))
+
+
+def train_step(model, optimizer):
+    optimizer.zero_grad()
+    loss = model(torch.randn(16, 64)).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def graph_count(optimizer):
+    return backends.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
+
+
+SCHEDULES = {
+    "LinearLR": lambda opt: lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=STEPS),
+    "CosineAnnealingLR": lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
+    "CosineAnnealingWarmRestarts": lambda opt: lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=7),
+    "OneCycleLR": lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS + 1),
+    "LambdaLR": lambda opt: lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)),
+    "SequentialLR": lambda opt: lr_scheduler.SequentialLR(
+        opt,
+        [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5),
+         lr_scheduler.ExponentialLR(opt, gamma=0.9)],
+        milestones=[5]),
+    "StepLR": lambda opt: lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+    "ReduceLROnPlateau": lambda opt: lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.7),
+}
+
+
+def transformers_cosine(opt):
+    transformers = pytest.importorskip("transformers")
+    return transformers.get_scheduler("cosine", opt, num_warmup_steps=5, num_training_steps=STEPS)
+
+
+SCHEDULES["transformers.get_scheduler(cosine)"] = transformers_cosine
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
+def test_schedulers_cause_no_recompiles(cls, name):
+    model = make_model()
+    optimizer = cls(model.parameters(), lr=1e-3, backend="compile")
+    scheduler = SCHEDULES[name](optimizer)
+    train_step(model, optimizer)  # the first step may compile
+    graphs_after_first_step = graph_count(optimizer)
+    assert graphs_after_first_step >= 1
+    seen_lrs, seen_beta1 = set(), set()
+    for _ in range(STEPS):
+        loss = train_step(model, optimizer)
+        if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(1.0)  # a flat loss: the LR drops every step
+        else:
+            scheduler.step()
+        group = optimizer.param_groups[0]
+        seen_lrs.add(float(group["lr"]))
+        seen_beta1.add(float(group["betas"][0]))
+        assert torch.isfinite(loss)
+    assert len(seen_lrs) > 3, "the schedule really changed the LR"
+    if name == "OneCycleLR":
+        assert len(seen_beta1) > 3, "OneCycleLR cycles beta1 too"
+    assert graph_count(optimizer) == graphs_after_first_step
+    lr = optimizer.param_groups[0]["lr"]
+    assert lr.device.type == "cpu" and lr.dim() == 0 and lr.dtype == torch.float32
+
+
+def test_every_manual_change_is_taken_without_recompiles():
+    model = make_model()
+    optimizer = AdamW4bit(model.parameters(), lr=1e-3, backend="compile")
+    train_step(model, optimizer)
+    graphs = graph_count(optimizer)
+    group = optimizer.param_groups[0]
+    lr_tensor = group["lr"]
+    for step in range(STEPS):
+        if step % 3 == 0:
+            group["lr"] = 1e-3 / (step + 1)  # timm style: a plain float
+        elif step % 3 == 1:
+            group["lr"].fill_(2e-3 / (step + 1))
+        else:
+            group["betas"] = (0.9 - step * 0.01, 0.999 - step * 1e-4)
+            group["eps"] = 1e-8 * (step + 1)
+            group["weight_decay"] = 0.01 * step
+        train_step(model, optimizer)
+    assert group["lr"] is lr_tensor, "a float written by hand is taken into the group's tensor"
+    assert graph_count(optimizer) == graphs
+
+    # The float really reaches the step: LR 0 and no weight decay freeze the parameters.
+    group["lr"], group["weight_decay"] = 0.0, 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(model, optimizer)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_twelve_distinct_shapes_share_one_graph():
+    shapes = [(64 + 8 * i, 72 + 4 * i) for i in range(12)]  # 4608 .. 17424 elements
+    assert len(set(shapes)) == 12
+    small = [torch.nn.Parameter(torch.randn(96, 48))]
+    many = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
+    optimizer = AdamW8bit(small, backend="compile")
+    small[0].grad = torch.randn_like(small[0])
+    optimizer.step()
+    graphs_for_one_shape = graph_count(optimizer)
+    optimizer = AdamW8bit(many, backend="compile")
+    for _ in range(2):
+        for p in many:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    assert graph_count(optimizer) == graphs_for_one_shape
+
+
+class DeviceTensorFactoryCounter(TorchDispatchMode):
+    """Counts ops that make a new tensor from Python numbers, or copy one host-to-device."""
+
+    FACTORIES = {
+        torch.ops.aten.scalar_tensor.default, torch.ops.aten.lift_fresh.default,
+        torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.full.default,
+        torch.ops.aten.zeros.default, torch.ops.aten.ones.default,
+    }
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.created = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self.FACTORIES and isinstance(out, torch.Tensor) and out.device == self.device:
+            self.created.append(func)
+        if func is torch.ops.aten._to_copy.default and args[0].device != self.device and \
+                isinstance(out, torch.Tensor) and out.device == self.device:
+            self.created.append(func)
+        return out
+
+
+def test_steady_state_step_makes_no_tensor_from_a_python_number():
+    # The compiled (default) path. The eager backend is the readable reference: its
+    # ``torch.where(x, y, 0.0)``-style ops wrap Python numbers as it goes.
+    model = make_model()
+    optimizer = AdamW8bit(model.parameters(), lr=1e-3, backend="compile")
+    scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    train_step(model, optimizer)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    counter = DeviceTensorFactoryCounter("cpu")
+    with counter:
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+    assert counter.created == []
+
+
+@pytest.mark.cuda
+def test_no_host_to_device_copy_per_step_on_cuda():
+    model = make_model().cuda()
+    optimizer = AdamW4bit(model.parameters(), lr=1e-3)
+    scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "HtoD" in e.name or "Memcpy HtoD" in e.name]
+    assert copies == []
