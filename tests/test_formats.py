@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import relative_rmse
+
 from lowbit_optim.quant import maps
 from lowbit_optim.quant.formats import (
     DYNAMIC_4BIT_SIGNED,
