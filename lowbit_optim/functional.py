@@ -26,7 +26,7 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     """
     grad = -grad if maximize else grad
     finite = torch.isfinite(grad)
-    safe_grad = torch.where(finite, grad, 0.0)
+    safe_grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
 
     # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv),
     # so that float32 state tracks it to within rounding.

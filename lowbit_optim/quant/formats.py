@@ -68,9 +68,12 @@ class QuantFormat:
         return codes[:, :half] | (codes[:, half:] << 4)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed bytes -> one int32 code per element (int32: its shifts and masks vectorise)."""
         if self.bits == 8:
             return packed
-        return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+        rows, half = packed.shape
+        wide = packed.to(torch.int32)
+        return torch.stack([wide & 0x0F, wide >> 4], dim=1).view(rows, 2 * half)
 
 
 DYNAMIC_8BIT_SIGNED = QuantFormat("dynamic8-signed", 8, codecs.SIGNED_8BIT_CODEC, 256)
