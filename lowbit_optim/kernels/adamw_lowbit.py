@@ -5,7 +5,7 @@ Per element, with ``m, v`` (and ``v_max`` under amsgrad) decoded from their code
 
     finite  = isfinite(g);            g = finite ? g : 0
     m'      = m + (1 - beta1) * (g - m)
-    v'      = v * beta2 + (1 - beta2) * (g * g)
+    v'      = v * beta2 + ((1 - beta2) * g) * g
     v_max'  = max(v_max, v')                        (amsgrad; the denominator uses it)
     denom   = sqrt(v') / sqrt(1 - beta2**t) + eps
     p'      = p * (1 - lr * weight_decay) - lr / (1 - beta1**t) * (m' / denom)
@@ -197,7 +197,8 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg
     finite = _is_finite(grad)
     grad = tl.where(finite, grad, 0.0)
     new_exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
-    new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * (grad * grad)
+    # torch addcmul order, ((1 - beta2) * g) * g: g * g first overflows float32 sooner.
+    new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
     second_moment = new_exp_avg_sq
     new_max = max_exp_avg_sq
     if AMSGRAD:
