@@ -12,11 +12,8 @@ hardware.
 
 import argparse
 import json
-import os
 import pathlib
-import subprocess
 import sys
-import tempfile
 
 import torch
 
@@ -56,16 +53,8 @@ def measure(name: str, steps: int, warmup: int) -> dict:
 
 
 def run_isolated(name: str, args) -> dict:
-    env = dict(os.environ)
-    with tempfile.TemporaryDirectory(prefix="bench_step_inductor_") as cache:
-        if args.cache == "cold":
-            env["TORCHINDUCTOR_CACHE_DIR"] = cache
-        command = [sys.executable, __file__, "--worker", name, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return harness.run_worker(__file__, worker_args, cold_cache=args.cache == "cold")
 
 
 COLUMNS = [

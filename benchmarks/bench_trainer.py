@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,14 +89,7 @@ def measure(optim: str) -> dict:
 
 
 def run_isolated(optim: str) -> dict:
-    env = dict(os.environ)
-    with tempfile.TemporaryDirectory(prefix="bench_trainer_inductor_") as cache:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
-        done = subprocess.run([sys.executable, __file__, "--worker", optim], env=env,
-                              capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{optim} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return harness.run_worker(__file__, [optim], cold_cache=True)
 
 
 COLUMNS = [

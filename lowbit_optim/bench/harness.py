@@ -11,6 +11,9 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -194,3 +197,21 @@ def write_json(path: pathlib.Path, benchmark: str, rows: list[dict], *, env: dic
     stamped = [{**row, "machine": machine_line(env), "torch": env["torch"]} for row in rows]
     payload = {"benchmark": benchmark, "environment": env, "config": config, "rows": stamped}
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def run_worker(script: str, worker_args: list[str], *, cold_cache: bool) -> dict:
+    """Run ``script --worker ...`` in a fresh process and return the JSON row it prints last.
+
+    A fresh process per measurement keeps compile caches, allocator state and imported peers
+    from leaking between optimizers; ``cold_cache`` also gives it an empty Inductor cache, so
+    first-step times include compilation.
+    """
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="lowbit_bench_inductor_") as cache:
+        if cold_cache:
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        done = subprocess.run([sys.executable, script, "--worker", *worker_args], env=env,
+                              capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(worker_args)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
