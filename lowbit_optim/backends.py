@@ -59,7 +59,7 @@ def takes_groups(backend: str) -> bool:
     return backend == "triton"
 
 
-def run_quantized_group(backend: str, entries: list[tuple], scalars, lr: torch.Tensor, *, maximize: bool,
+def run_quantized_group(entries: list[tuple], scalars, lr: torch.Tensor, *, maximize: bool,
                         stochastic_round: bool) -> None:
     """Step a param group's quantized parameters together: one launch per kind.
 
@@ -121,14 +121,8 @@ def run_quantized_step(backend: str, param: torch.Tensor, grad: torch.Tensor,
                        exp_avg: QuantizedState, exp_avg_sq: QuantizedState,
                        max_exp_avg_sq: QuantizedState | None, hyper: tuple, scratch: TailScratch,
                        *, maximize: bool, stochastic_round: bool) -> None:
-    """Update ``param`` and the quantized moments in place with ``backend``."""
-    if backend == "triton":  # the per-parameter fallback: a group of one
-        from lowbit_optim import kernels
-
-        *scalars, step = hyper
-        kernels.step_group([(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step)], *scalars,
-                           maximize=maximize, stochastic_round=stochastic_round)
-        return
+    """Update ``param`` and the quantized moments in place with ``"compile"`` or ``"eager"``
+    (``"triton"`` steps whole groups: ``run_quantized_group``)."""
     if backend == "compile":
         step = compiled_step(exp_avg.format, exp_avg_sq.format)
     else:

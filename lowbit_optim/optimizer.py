@@ -174,7 +174,7 @@ class LowBitAdamW(Optimizer):
                     self._update(param, group, group_scalars, lr, batch)
             if batch:
                 backends.run_quantized_group(
-                    self.backend, batch, group_scalars, lr, maximize=group["maximize"],
+                    batch, group_scalars, lr, maximize=group["maximize"],
                     stochastic_round=group["bf16_stochastic_round"],
                 )
         return loss
