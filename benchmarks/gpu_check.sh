@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check for the Triton kernels (issue 7), a few minutes on one GPU:
 #   1. the CUDA-marked tests (hardware bf16 cast, no host-to-device copy, no re-JIT, ...);
-#   2. the ~1B-parameter optimizer-step benchmark (JSON under $OUT when OUT is set).
+#   2. the ~1B-parameter optimizer-step benchmark (JSON under $OUT when OUT is set);
+#   3. the main benchmark's gpu-114m preset, shortened to GPU_BENCH_STEPS steps (default 300)
+#      so that all three checks fit ~10 minutes (results under $OUT/bench_gpu114m).
 # Works from a plain checkout (no install needed) with torch + triton; torchao and
 # bitsandbytes are benchmarked only when installed. Extra arguments go to the benchmark.
 set -uo pipefail
@@ -22,5 +24,10 @@ tests_status=${PIPESTATUS[0]}
 "$PYTHON" benchmarks/bench_gpu_step.py "$@"
 bench_status=$?
 
-echo "pytest -m cuda exit status: $tests_status; benchmark exit status: $bench_status"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+"$PYTHON" -m lowbit_optim.bench --model-size gpu-114m --device cuda \
+    --steps "${GPU_BENCH_STEPS:-300}" --out "${OUT:-/tmp}/bench_gpu114m"
+train_status=$?
+
+echo "pytest -m cuda exit status: $tests_status; step benchmark: $bench_status;" \
+     "gpu-114m training benchmark: $train_status"
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$train_status" -eq 0 ]

@@ -12,7 +12,7 @@ from lowbit_optim.bench import harness
 from lowbit_optim.bench.__main__ import DEFAULT_OPTIMIZERS, PRESETS, main
 from lowbit_optim.bench.data import batch_offsets, get_batch, load_corpus
 from lowbit_optim.bench.model import ByteGPT
-from lowbit_optim.bench.train import TrainConfig, warmup_cosine
+from lowbit_optim.bench.train import Evaluator, TrainConfig, warmup_cosine
 
 UNIFORM_LOSS = math.log(256)  # a model that has learned nothing about bytes
 
@@ -53,6 +53,7 @@ def test_quick_run_rows_and_environment(quick_run):
     assert all(row["machine"] and row["torch"] == torch.__version__ for row in results["rows"])
     assert results["config"]["model_size"] == "quick"
     assert results["config"]["steps"] == PRESETS["quick"]["steps"]
+    assert results["config"]["grad_clip"] == 1.0
 
 
 def test_quick_run_state_bytes_match_the_formats(quick_run):
@@ -163,3 +164,29 @@ def test_unknown_optimizer_is_refused():
 def test_bad_steps_is_refused():
     with pytest.raises(SystemExit):
         main(["--quick", "--steps", "0"])
+
+
+def test_evaluation_windows_do_not_depend_on_the_seed():
+    corpus = load_corpus()
+    configs = [TrainConfig(model=PRESETS["quick"]["model"], steps=10, batch_size=2, lr=1e-3,
+                           weight_decay=0.0, betas=(0.9, 0.95), warmup_steps=1, min_lr_ratio=0.1,
+                           eval_every=5, eval_batches=2, seed=seed) for seed in (0, 7)]
+    first, second = (Evaluator(corpus, config, torch.device("cpu")) for config in configs)
+    for split in ("train", "val"):
+        assert torch.equal(first.offsets[split], second.offsets[split]), split
+    # ...while the training batches do depend on it.
+    assert not torch.equal(*(batch_offsets(corpus.train, count=2, batch_size=2, context=64, seed=c.seed)
+                             for c in configs))
+
+
+def test_gpu_preset_is_large_and_its_state_keeps_the_promised_saving():
+    # Built on the meta device: 114M parameters without allocating them. The byte count is the
+    # formula that test_quick_run_state_bytes_match_the_formats checks against real state.
+    with torch.device("meta"):
+        model = ByteGPT(PRESETS["gpu-114m"]["model"])
+    assert 100e6 < sum(p.numel() for p in model.parameters()) < 130e6
+    fp32 = expected_state_bytes(model, None)
+    # Quantized tensors alone: 8 / (1 + 4/256) = 3.94x and 8 / (0.5 + 4/128) = 7.53x; the
+    # biases and norms (0.14% of the parameters) keep fp32 state, giving 3.92x and 7.46x.
+    assert fp32 / expected_state_bytes(model, AdamW8bit) > 3.9
+    assert fp32 / expected_state_bytes(model, AdamW4bit) > 7.4

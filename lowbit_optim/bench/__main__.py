@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from lowbit_optim.bench import harness, plots
+from lowbit_optim.bench import harness
 from lowbit_optim.bench.data import load_corpus
 from lowbit_optim.bench.model import ModelConfig
 from lowbit_optim.bench.train import TrainConfig, train
@@ -181,13 +181,20 @@ def main(argv=None) -> int:
                 f"seeds {seeds}")
     heading = f"{run_line}; {machine}"
     (args.out / "table.md").write_text(f"{heading}\n\n{table}\n")
-    labelled = {harness.OPTIMIZERS[name].label: seed_runs for name, seed_runs in runs.items()}
-    plots.loss_curves(labelled, args.out / "loss_curves.png", f"{run_line}\n{machine}")
-    plots.memory_bars(rows, args.out / "memory.png", f"{run_line}\n{machine}")
+    written = ["results.json", "table.md"]
+    try:
+        from lowbit_optim.bench import plots
+    except ImportError as error:  # matplotlib is in the [bench] extra; the table does not need it
+        print(f"plots skipped ({error}); pip install matplotlib to draw them", file=sys.stderr)
+    else:
+        labelled = {harness.OPTIMIZERS[name].label: seed_runs for name, seed_runs in runs.items()}
+        plots.loss_curves(labelled, args.out / "loss_curves.png", f"{run_line}\n{machine}")
+        plots.memory_bars(rows, args.out / "memory.png", f"{run_line}\n{machine}")
+        written += ["loss_curves.png", "memory.png"]
     print(heading)
     print()
     print(table)
-    print(f"\n{elapsed:.0f} s; wrote {args.out}/results.json, table.md, loss_curves.png, memory.png")
+    print(f"\n{elapsed:.0f} s; wrote {', '.join(written)} in {args.out}/")
     return 0
 
 
