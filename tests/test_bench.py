@@ -161,9 +161,11 @@ def test_unknown_optimizer_is_refused():
     assert names == ["lowbit_4bit", "torch_adamw", "lowbit_8bit"]
 
 
-def test_bad_steps_is_refused():
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--grad-clip", "-1"], ["--grad-clip", "nan"]])
+def test_bad_arguments_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
-        main(["--quick", "--steps", "0"])
+        main(["--quick", *bad])
+    assert bad[0] in capsys.readouterr().err
 
 
 def test_evaluation_windows_do_not_depend_on_the_seed():

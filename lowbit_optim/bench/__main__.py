@@ -63,6 +63,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     parser.add_argument("--seeds", type=int, nargs="+",
                         help="several seeds: report means and the seed spread (overrides --seed)")
+    parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, metavar="NORM",
+                        help=f"clip the gradient norm to NORM before each step; 0 turns clipping "
+                             f"off (default: {GRAD_CLIP})")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"),
                         help="where results.json, table.md and the PNGs go (default: bench_out/)")
     parser.add_argument("--quick", action="store_true",
@@ -72,6 +75,8 @@ def parse_args(argv):
         args.model_size = "quick"
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if not args.grad_clip >= 0:  # also refuses nan
+        parser.error(f"--grad-clip must be >= 0, got {args.grad_clip}")
     return args
 
 
@@ -149,7 +154,8 @@ def main(argv=None) -> int:
 
     def config_for(seed: int) -> TrainConfig:
         return TrainConfig(weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=max(1, steps // 10),
-                           min_lr_ratio=0.1, grad_clip=GRAD_CLIP, seed=seed, **preset)
+                           min_lr_ratio=0.1, grad_clip=args.grad_clip or None, seed=seed,
+                           **preset)
 
     from tqdm.auto import tqdm
 
