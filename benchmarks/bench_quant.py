@@ -77,11 +77,9 @@ def main(argv=None) -> int:
         print(f"{name} ...", file=sys.stderr, flush=True)
         rows += measure(get_format(name), args.numel, args.repeats, device)
     env = harness.environment(device)
-    harness.write_json(args.out, "quant", rows, env=env,
-                       config={"numel": args.numel, "repeats": args.repeats, "device": str(device)})
-    print(f"{args.numel / 1e6:.1f}M elements per tensor; {harness.machine_line(env)}\n")
-    print(harness.markdown_table(rows, COLUMNS))
-    print(f"\nwrote {args.out}")
+    harness.report(args.out, "quant", rows, COLUMNS, env=env,
+                   heading=f"{args.numel / 1e6:.1f}M elements per tensor; {harness.machine_line(env)}",
+                   config={"numel": args.numel, "repeats": args.repeats, "device": str(device)})
     return 0
 
 

@@ -95,11 +95,9 @@ def main(argv=None) -> int:
     env = harness.environment(torch.device("cpu"))
     config = {"model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False) fp32", "steps": args.steps,
               "warmup": args.warmup, "cache": args.cache}
-    harness.write_json(args.out, "step", rows, env=env, config=config)
-    print(f"{config['model']}, {rows[0]['params'] / 1e6:.2f}M params, {args.cache} compile cache; "
-          f"{harness.machine_line(env)}\n")
-    print(harness.markdown_table(rows, COLUMNS))
-    print(f"\nwrote {args.out}")
+    harness.report(args.out, "step", rows, COLUMNS, env=env, config=config,
+                   heading=f"{config['model']}, {rows[0]['params'] / 1e6:.2f}M params, "
+                           f"{args.cache} compile cache; {harness.machine_line(env)}")
     return 0
 
 

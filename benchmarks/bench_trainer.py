@@ -130,13 +130,11 @@ def main(argv=None) -> int:
     env["versions"]["transformers"] = harness.package_version("transformers")
     config = {"model": f"GPT-2 {MODEL}", "steps": STEPS, "batch": BATCH, "seq_len": SEQ_LEN,
               "cache": "cold", "repeats": args.repeats}
-    harness.write_json(args.out, "trainer", rows, env=env, config=config)
-    print(f"GPT-2 ({rows[0]['params'] / 1e3:.0f}k params), {STEPS} Trainer steps of {BATCH} x {SEQ_LEN} "
-          f"tokens, cold compile cache, fastest of {args.repeats} runs; "
-          f"{harness.machine_line(env)}, "
-          f"transformers {env['versions']['transformers']}\n")
-    print(harness.markdown_table(rows, COLUMNS))
-    print(f"\nwrote {args.out}")
+    harness.report(args.out, "trainer", rows, COLUMNS, env=env, config=config,
+                   heading=f"GPT-2 ({rows[0]['params'] / 1e3:.0f}k params), {STEPS} Trainer steps of "
+                           f"{BATCH} x {SEQ_LEN} tokens, cold compile cache, fastest of "
+                           f"{args.repeats} runs; {harness.machine_line(env)}, "
+                           f"transformers {env['versions']['transformers']}")
     return 0
 
 

@@ -199,6 +199,15 @@ def write_json(path: pathlib.Path, benchmark: str, rows: list[dict], *, env: dic
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
+def report(path: pathlib.Path, benchmark: str, rows: list[dict], columns: list[Column], *,
+           heading: str, env: dict, config: dict) -> None:
+    """What a micro-benchmark ends with: the JSON file, then a heading and the markdown table."""
+    write_json(path, benchmark, rows, env=env, config=config)
+    print(f"{heading}\n")
+    print(markdown_table(rows, columns))
+    print(f"\nwrote {path}")
+
+
 def run_worker(script: str, worker_args: list[str], *, cold_cache: bool) -> dict:
     """Run ``script --worker ...`` in a fresh process and return the JSON row it prints last.
 
