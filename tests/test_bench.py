@@ -161,7 +161,8 @@ def test_unknown_optimizer_is_refused():
     assert names == ["lowbit_4bit", "torch_adamw", "lowbit_8bit"]
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--grad-clip", "-1"], ["--grad-clip", "nan"]])
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--batch-size", "0"], ["--grad-clip", "-1"],
+                                 ["--grad-clip", "nan"]])
 def test_bad_arguments_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
         main(["--quick", *bad])

@@ -63,6 +63,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     parser.add_argument("--seeds", type=int, nargs="+",
                         help="several seeds: report means and the seed spread (overrides --seed)")
+    parser.add_argument("--batch-size", type=int,
+                        help="sequences per step (default: the preset's); e.g. 1 to measure the "
+                             "gpu-114m model's memory on a CPU")
     parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, metavar="NORM",
                         help=f"clip the gradient norm to NORM before each step; 0 turns clipping "
                              f"off (default: {GRAD_CLIP})")
@@ -75,6 +78,8 @@ def parse_args(argv):
         args.model_size = "quick"
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if not args.grad_clip >= 0:  # also refuses nan
         parser.error(f"--grad-clip must be >= 0, got {args.grad_clip}")
     return args
@@ -147,6 +152,8 @@ def main(argv=None) -> int:
     preset = dict(PRESETS[args.model_size])
     if args.steps is not None:
         preset["steps"] = args.steps
+    if args.batch_size is not None:
+        preset["batch_size"] = args.batch_size
     steps = preset["steps"]
     preset["eval_every"] = min(preset["eval_every"], steps)
     seeds = args.seeds or [args.seed]
@@ -183,8 +190,8 @@ def main(argv=None) -> int:
     table = harness.markdown_table(rows, table_columns(len(seeds) > 1))
     machine = harness.machine_line(env)
     params = rows[0]["params"]
-    run_line = (f"{args.model_size} preset: {params / 1e6:.2f}M params, {steps} steps, "
-                f"seeds {seeds}")
+    run_line = (f"{args.model_size} preset: {params / 1e6:.2f}M params, {steps} steps of "
+                f"{preset['batch_size']} x {preset['model'].context} bytes, seeds {seeds}")
     heading = f"{run_line}; {machine}"
     (args.out / "table.md").write_text(f"{heading}\n\n{table}\n")
     written = ["results.json", "table.md"]
