@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit_optim.distributed import local
+from lowbit_optim.functional import compute_dtype
 from lowbit_optim.hyperparams import is_lr_tensor, new_lr_tensor
 from lowbit_optim.state import QuantizedState
 
@@ -208,7 +209,7 @@ class PreparedLoad:
                     # Our steps read it as a 0-d CPU float32 tensor whatever the device.
                     state[key] = torch.as_tensor(value).to(device="cpu", dtype=torch.float32)
                 else:
-                    state[key] = value.to(device=param.device, dtype=torch.float32)
+                    state[key] = value.to(device=param.device, dtype=compute_dtype(param))
             optimizer.state[param] = {key: state[key] for key in order}
         # The step reads each group's LR from its own 0-d CPU float32 tensor (hyperparams).
         seen = set()

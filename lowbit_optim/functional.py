@@ -18,9 +18,16 @@ import torch
 from lowbit_optim.quant.formats import QuantFormat
 
 
+def compute_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype a parameter's update is computed in, and its float moments kept in: float64
+    for float64 parameters (so they are not rounded to float32 every step, as torch keeps
+    them), float32 for every other float dtype."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
 def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
                  weight_decay, step, maximize: bool):
-    """One AdamW step on float32 values; returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq).
+    """One AdamW step on float32 (or float64) values; returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq).
 
     ``max_exp_avg_sq`` is ``None`` unless amsgrad is on. Pure: inputs are not modified.
     """
@@ -80,9 +87,11 @@ def write_param(param: torch.Tensor, values: torch.Tensor, *, stochastic_round: 
 
 def fp32_state_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2,
                           eps, weight_decay, step, maximize: bool, stochastic_round: bool):
-    """The step for parameters below ``min_quant_size``: float32 state, updated in place."""
+    """The step for parameters below ``min_quant_size``: float state (``compute_dtype``),
+    updated in place."""
+    dtype = compute_dtype(param)
     new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
-        param.float(), grad.float(), exp_avg, exp_avg_sq, max_exp_avg_sq,
+        param.to(dtype), grad.to(dtype), exp_avg, exp_avg_sq, max_exp_avg_sq,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
         maximize=maximize,
     )
@@ -105,14 +114,16 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
     ``None`` unless amsgrad is on. Only tensors are taken, so ``torch.compile`` traces it
     once per state kind and parameter dtype, whatever the parameter's shape.
     """
-    exp_avg = exp_avg_format.dequantize_blocks(exp_avg_codes, exp_avg_scales)
-    exp_avg_sq = exp_avg_sq_format.dequantize_blocks(exp_avg_sq_codes, exp_avg_sq_scales)
+    # float64 parameters are updated in float64 (their moments are quantized all the same).
+    dtype = compute_dtype(param)
+    exp_avg = exp_avg_format.dequantize_blocks(exp_avg_codes, exp_avg_scales).to(dtype)
+    exp_avg_sq = exp_avg_sq_format.dequantize_blocks(exp_avg_sq_codes, exp_avg_sq_scales).to(dtype)
     max_exp_avg_sq = None
     if max_codes is not None:
-        max_exp_avg_sq = exp_avg_sq_format.dequantize_blocks(max_codes, max_scales)
+        max_exp_avg_sq = exp_avg_sq_format.dequantize_blocks(max_codes, max_scales).to(dtype)
 
     new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
-        param.float(), grad.float(), exp_avg, exp_avg_sq, max_exp_avg_sq,
+        param.to(dtype), grad.to(dtype), exp_avg, exp_avg_sq, max_exp_avg_sq,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
         maximize=maximize,
     )

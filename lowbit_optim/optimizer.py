@@ -11,7 +11,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim import backends, checkpoint, distributed
-from lowbit_optim.functional import fp32_state_adamw_step
+from lowbit_optim.functional import compute_dtype, fp32_state_adamw_step
 from lowbit_optim.hyperparams import (
     GroupScalars,
     check_hyperparameters,
@@ -126,7 +126,8 @@ class LowBitAdamW(Optimizer):
                 state["max_exp_avg_sq"] = new(self.exp_avg_sq_format)
         else:
             def new():
-                return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+                return torch.zeros_like(param, dtype=compute_dtype(param),
+                                        memory_format=torch.preserve_format)
             state["exp_avg"] = new()
             state["exp_avg_sq"] = new()
             if group["amsgrad"]:
@@ -150,8 +151,14 @@ class LowBitAdamW(Optimizer):
                         f"gradient of shape {tuple(grad.shape)} does not match its parameter "
                         f"of shape {tuple(param.shape)}"
                     )
-                if not grad.is_floating_point():
-                    raise RuntimeError(f"gradient of dtype {grad.dtype} is not floating point")
+                if grad.dtype != param.dtype:
+                    # What torch says when such a gradient is assigned (p.grad = g); one set
+                    # through .data or a custom grad_dtype reaches the step unchecked.
+                    raise RuntimeError(
+                        f"{type(self).__name__}: a gradient with dtype {grad.dtype} for a "
+                        f"parameter of dtype {param.dtype} (shape {tuple(param.shape)}): the "
+                        "gradient must match its parameter's dtype"
+                    )
 
     def _scalars(self, index: int) -> GroupScalars:
         while len(self._group_scalars) <= index:
