@@ -27,7 +27,9 @@ def compute_dtype(param: torch.Tensor) -> torch.dtype:
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
                  weight_decay, step, maximize: bool):
-    """One AdamW step on float32 (or float64) values; returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq).
+    """One AdamW step on float32 (or float64) values.
+
+    Returns the new ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq)``.
 
     ``max_exp_avg_sq`` is ``None`` unless amsgrad is on. Pure: inputs are not modified.
     """
