@@ -59,7 +59,7 @@ def takes_groups(backend: str) -> bool:
     return backend == "triton"
 
 
-def run_quantized_group(entries: list[tuple], scalars, lr: torch.Tensor, *, maximize: bool,
+def run_quantized_group(entries: list[tuple], scalars, *, maximize: bool,
                         stochastic_round: bool) -> None:
     """Step a param group's quantized parameters together: one launch per kind.
 
@@ -67,7 +67,7 @@ def run_quantized_group(entries: list[tuple], scalars, lr: torch.Tensor, *, maxi
     """
     from lowbit_optim import kernels  # imports Triton: only when the backend is in use
 
-    kernels.step_group(entries, lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
+    kernels.step_group(entries, scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
                        maximize=maximize, stochastic_round=stochastic_round)
 
 

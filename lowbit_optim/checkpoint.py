@@ -23,7 +23,6 @@ import torch
 
 from lowbit_optim.distributed import local
 from lowbit_optim.functional import compute_dtype
-from lowbit_optim.hyperparams import is_lr_tensor, new_lr_tensor
 from lowbit_optim.state import QuantizedState
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -211,13 +210,6 @@ class PreparedLoad:
                 else:
                     state[key] = value.to(device=param.device, dtype=compute_dtype(param))
             optimizer.state[param] = {key: state[key] for key in order}
-        # The step reads each group's LR from its own 0-d CPU float32 tensor (hyperparams).
-        seen = set()
-        for group in optimizer.param_groups:
-            lr = group["lr"]
-            if not is_lr_tensor(lr) or id(lr) in seen:
-                group["lr"] = lr = new_lr_tensor(lr)
-            seen.add(id(lr))
 
 
 def prepare_load(optimizer, state_dict) -> PreparedLoad:

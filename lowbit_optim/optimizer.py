@@ -2,9 +2,10 @@
 
 The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats; all
 behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
-moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments, which cost
-little and follow ``torch.optim.AdamW`` to within rounding. Every group's LR is a 0-d CPU
-float32 tensor from construction on (see ``hyperparams``).
+moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
+float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
+``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
+the optimizer owns (see ``hyperparams``).
 """
 
 import torch
@@ -12,12 +13,7 @@ from torch.optim import Optimizer
 
 from lowbit_optim import backends, checkpoint, distributed
 from lowbit_optim.functional import compute_dtype, fp32_state_adamw_step
-from lowbit_optim.hyperparams import (
-    GroupScalars,
-    check_hyperparameters,
-    is_lr_tensor,
-    new_lr_tensor,
-)
+from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
 from lowbit_optim.quant.formats import QuantFormat
 from lowbit_optim.state import QuantizedState
 
@@ -41,16 +37,29 @@ class LowBitAdamW(Optimizer):
             maximize=maximize, block_size=block_size, min_quant_size=min_quant_size,
             bf16_stochastic_round=bf16_stochastic_round,
         )
-        self._group_scalars: list[GroupScalars] = []
-        self._tail_scratch = backends.TailScratch()
+        self._init_step_helpers()
         super().__init__(params, defaults)
         # From the parameters' devices: None picks "triton" only when they are all CUDA.
-        self.backend = backends.resolve_backend(
-            backend, [p.device for group in self.param_groups for p in group["params"]]
-        )
+        self.backend = backends.resolve_backend(backend, self._devices())
+
+    def _init_step_helpers(self) -> None:
+        """What the step keeps between calls besides ``state``: rebuilt, never saved."""
+        self._group_scalars: list[GroupScalars] = []
+        self._tail_scratch = backends.TailScratch()
+
+    def _devices(self) -> list[torch.device]:
+        return [p.device for group in self.param_groups for p in group["params"]]
+
+    def __getstate__(self):
+        # torch's Optimizer pickles only defaults, state and param_groups; the backend choice
+        # must survive copy.deepcopy and pickle too (the step helpers are rebuilt).
+        return {**super().__getstate__(), "backend": self.backend}
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._init_step_helpers()
+        if "backend" not in self.__dict__:
+            self.backend = backends.resolve_backend(None, self._devices())
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -75,25 +84,23 @@ class LowBitAdamW(Optimizer):
         candidate = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._check_group(candidate)
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch refuses sets itself, with its own message
+            # Consumed once here and handed on as a list: a generator (``m.parameters()``)
+            # would otherwise reach torch exhausted and the group would silently be empty.
+            params = list(params)
+            param_group = {**param_group, "params": params}
         for param in params:
-            if isinstance(param, torch.Tensor) and param.is_complex():
+            # named_parameters() gives (name, parameter) pairs, which torch accepts.
+            tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
+            if isinstance(tensor, torch.Tensor) and tensor.is_complex():
                 raise ValueError(
                     f"{type(self).__name__} does not support complex parameters "
-                    f"(got one of shape {tuple(param.shape)}, dtype {param.dtype}); "
+                    f"(got one of shape {tuple(tensor.shape)}, dtype {tensor.dtype}); "
                     "view it as real with torch.view_as_real"
                 )
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        group["lr"] = self._own_lr(group["lr"])
-
-    def _own_lr(self, lr) -> torch.Tensor:
-        """The group's LR tensor: the user's own if it is a 0-d CPU float32 tensor no other
-        group uses (so their in-place changes reach the step), else a fresh one."""
-        in_use = any(group["lr"] is lr for group in self.param_groups[:-1])
-        if is_lr_tensor(lr) and not in_use:
-            return lr
-        return new_lr_tensor(lr)
 
     def _check_group(self, group: dict) -> None:
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -171,22 +178,36 @@ class LowBitAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step()
+        return loss
+
+    # Under the user's own torch.compile (the compiled-optimizer tutorial wraps opt.step()
+    # and sched.step() in one compiled function) Dynamo skips this frame: the step runs as
+    # it does uncompiled, through our own compiled kernels, and reads the LR and betas from
+    # the groups at run time. Traced instead, the group's float LR and betas would become
+    # guarded constants of the user's graph (one recompile per new value), and per-parameter
+    # shapes would be baked in. Measured in docs/usage.md ("torch.compile around the step").
+    @torch.compiler.disable(
+        reason="lowbit_optim steps run their own compiled kernels; a graph break here keeps "
+               "the user's graph free of our per-parameter dispatch and LR guards"
+    )
+    def _step(self) -> None:
         self._check_grads()
         scalars = [self._scalars(i) for i in range(len(self.param_groups))]
-        lrs = [s.refresh(group) for s, group in zip(scalars, self.param_groups)]
-        for group, group_scalars, lr in zip(self.param_groups, scalars, lrs):
+        for group_scalars, group in zip(scalars, self.param_groups):
+            group_scalars.refresh(group)
+        for group, group_scalars in zip(self.param_groups, scalars):
             batch = [] if backends.takes_groups(self.backend) else None
             for param in group["params"]:
                 if param.grad is not None:
-                    self._update(param, group, group_scalars, lr, batch)
+                    self._update(param, group, group_scalars, batch)
             if batch:
                 backends.run_quantized_group(
-                    batch, group_scalars, lr, maximize=group["maximize"],
+                    batch, group_scalars, maximize=group["maximize"],
                     stochastic_round=group["bf16_stochastic_round"],
                 )
-        return loss
 
-    def _update(self, param, group, scalars: GroupScalars, lr, batch: list | None = None) -> None:
+    def _update(self, param, group, scalars: GroupScalars, batch: list | None = None) -> None:
         """Step one parameter; a quantized one is only queued on ``batch`` when given."""
         state = self.state[param]
         if not state:
@@ -197,18 +218,23 @@ class LowBitAdamW(Optimizer):
         param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq = map(distributed.local, (
             param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
         ))
-        if isinstance(exp_avg, QuantizedState) and batch is not None:
+        # The Triton kernel takes float32/bfloat16/float16 parameters; float64 ones (rare on
+        # a GPU) go through the compiled step.
+        grouped = batch is not None and param.dtype != torch.float64
+        if isinstance(exp_avg, QuantizedState) and grouped:
             batch.append((param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, state["step"]))
         elif isinstance(exp_avg, QuantizedState):
-            hyper = (lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay, state["step"])
+            hyper = (scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
+                     state["step"])
+            backend = "compile" if self.backend == "triton" else self.backend
             backends.run_quantized_step(
-                self.backend, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper,
+                backend, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper,
                 self._tail_scratch, maximize=group["maximize"], stochastic_round=stochastic_round,
             )
         else:
             fp32_state_adamw_step(
                 param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                lr=lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
+                lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
                 weight_decay=scalars.weight_decay, step=state["step"],
                 maximize=group["maximize"], stochastic_round=stochastic_round,
             )
