@@ -4,8 +4,9 @@
 ``num_blocks`` dynamic. On this kind of CPU that keeps one graph for every size at close to
 static-shape speed, whereas a flat 1-D tensor with a dynamic length compiles to code ~3.5x
 slower (shared FINDINGS: the static block dimension is what vectorises). A parameter whose
-size is not a multiple of the block size runs its whole blocks in place and its last, partial
-block through a one-block scratch buffer, reusing the same graph.
+size is not a multiple of the block size runs its whole blocks in place, in chunks of at most
+``CHUNK_ELEMENTS`` (bounding the step's temporaries), and its last, partial block through a
+one-block scratch buffer, all reusing the same graph.
 """
 
 import functools
@@ -21,6 +22,14 @@ from lowbit_optim.functional import quantized_adamw_step
 from lowbit_optim.state import QuantizedState
 
 BACKENDS = ("compile", "eager", "triton")
+
+# The most elements one call of the compiled (or eager) step updates. Its generated code keeps
+# buffers of its input's size between passes (~23 bytes per element for 4-bit before issue 14;
+# shared FINDINGS), so a 50M-element embedding stepped whole allocated ~1.2 GB of temporaries,
+# 3x fp32 AdamW's entire state. In chunks of 2**20 elements the temporaries stay at a few
+# dozen MiB whatever the parameter's size; one chunk is still large enough that the per-call
+# overhead (~0.1 ms) is negligible (docs/benchmarks.md, "Transient memory of one step").
+CHUNK_ELEMENTS = 1 << 20
 
 
 def _triton_interpreter_on() -> bool:
@@ -150,11 +159,14 @@ def run_quantized_step(backend: str, param: torch.Tensor, grad: torch.Tensor,
             pairs.append((None, None))
         return [t for pair in pairs for t in pair]
 
-    if whole_blocks:
-        body = slice(0, whole_blocks)
-        _call(step, backend, flat_param[: whole_blocks * block_size].view(whole_blocks, block_size),
-              flat_grad[: whole_blocks * block_size].view(whole_blocks, block_size),
-              inner(body), hyper)
+    # Whole blocks, a bounded chunk at a time (CHUNK_ELEMENTS); every chunk reuses the graph.
+    chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
+    for first in range(0, whole_blocks, chunk_blocks):
+        rows = slice(first, min(first + chunk_blocks, whole_blocks))
+        count = rows.stop - rows.start
+        elements = slice(rows.start * block_size, rows.stop * block_size)
+        _call(step, backend, flat_param[elements].view(count, block_size),
+              flat_grad[elements].view(count, block_size), inner(rows), hyper)
     if tail:
         start = whole_blocks * block_size
         param_block = scratch.get(flat_param, block_size, "param")

@@ -188,8 +188,10 @@ class LowBitAdamW(Optimizer):
     # guarded constants of the user's graph (one recompile per new value), and per-parameter
     # shapes would be baked in. Measured in docs/usage.md ("torch.compile around the step").
     @torch.compiler.disable(
-        reason="lowbit_optim steps run their own compiled kernels; a graph break here keeps "
-               "the user's graph free of our per-parameter dispatch and LR guards"
+        reason="lowbit_optim's step runs its own compiled kernels and is a graph break in a "
+               "torch.compile'd caller, so fullgraph=True cannot include it: compile the "
+               "caller with fullgraph=False (one graph either side of opt.step()), or call "
+               "opt.step() outside the compiled function (docs/usage.md)"
     )
     def _step(self) -> None:
         self._check_grads()

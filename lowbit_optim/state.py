@@ -152,8 +152,13 @@ class QuantizedState(torch.Tensor):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is None:
+            # Most often met as the first step of torch.optim.AdamW (aten.lerp_) after it
+            # loaded one of our state dicts: say how to convert.
             raise NotImplementedError(
-                f"QuantizedState does not support {func}; call .dequantize() first"
+                f"QuantizedState does not support {func}: it is a lowbit_optim optimizer moment "
+                "stored as codes and scales. Call .dequantize() for its values; to use a "
+                "lowbit_optim state dict with torch.optim.AdamW, convert it first with "
+                "lowbit_optim.checkpoint.to_torch_adamw(state_dict)"
             )
         return handler(*args, **kwargs)
 
