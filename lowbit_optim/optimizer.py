@@ -12,10 +12,10 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim import backends, checkpoint, distributed
-from lowbit_optim.functional import compute_dtype, fp32_state_adamw_step
+from lowbit_optim.functional import compute_dtype
 from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
 from lowbit_optim.quant.formats import QuantFormat
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.state import MOMENT_KEYS
 
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
@@ -74,7 +74,6 @@ class LowBitAdamW(Optimizer):
         that does not fit raises ``ValueError`` naming the parameter, with the optimizer left
         unchanged. See ``lowbit_optim.checkpoint`` and docs/checkpoints.md.
         """
-        state_dict = distributed.quantize_sharded_float_moments(self, state_dict)
         prepared = checkpoint.prepare_load(self, state_dict)
         super().load_state_dict(prepared.state_dict)
         prepared.finish(self)
@@ -119,26 +118,30 @@ class LowBitAdamW(Optimizer):
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
 
-    # --- state --------------------------------------------------------------------------
+    # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
+    def moment_keys(self, group: dict) -> tuple[str, ...]:
+        """The moments a parameter of ``group`` has (``max_exp_avg_sq`` only with amsgrad)."""
+        return MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
+
+    def moment_format(self, key: str) -> QuantFormat:
+        """The format of quantized moment ``key``: amsgrad's maximum is a second moment."""
+        return self.exp_avg_format if key == "exp_avg" else self.exp_avg_sq_format
+
+    def is_quantized(self, param: torch.Tensor, group: dict) -> bool:
+        """Whether ``param``'s moments are quantized (else float32, float64 for float64).
+
+        ``numel()`` of an FSDP2 (DTensor) parameter is its global size: the decision never
+        depends on how it is sharded (see lowbit_optim.distributed)."""
+        return param.numel() > 0 and param.numel() >= group["min_quant_size"]
+
     def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        # numel() of an FSDP2 (DTensor) parameter is its global size: the decision must not
-        # depend on how it is sharded (see lowbit_optim.distributed).
-        if param.numel() >= group["min_quant_size"] and param.numel() > 0:
-            def new(fmt):
-                return distributed.zeros_state(param, fmt, group["block_size"])
-            state["exp_avg"] = new(self.exp_avg_format)
-            state["exp_avg_sq"] = new(self.exp_avg_sq_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = new(self.exp_avg_sq_format)
-        else:
-            def new():
-                return torch.zeros_like(param, dtype=compute_dtype(param),
-                                        memory_format=torch.preserve_format)
-            state["exp_avg"] = new()
-            state["exp_avg_sq"] = new()
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = new()
+        for key in self.moment_keys(group):
+            if self.is_quantized(param, group):
+                state[key] = distributed.zeros_state(param, self.moment_format(key), group["block_size"])
+            else:
+                state[key] = torch.zeros_like(param, dtype=compute_dtype(param),
+                                              memory_format=torch.preserve_format)
 
     # --- the step -----------------------------------------------------------------------
     def _check_grads(self) -> None:
@@ -199,44 +202,29 @@ class LowBitAdamW(Optimizer):
         for group_scalars, group in zip(scalars, self.param_groups):
             group_scalars.refresh(group)
         for group, group_scalars in zip(self.param_groups, scalars):
-            batch = [] if backends.takes_groups(self.backend) else None
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group, group_scalars, batch)
-            if batch:
-                backends.run_quantized_group(
-                    batch, group_scalars, maximize=group["maximize"],
-                    stochastic_round=group["bf16_stochastic_round"],
-                )
+            backends.adamw(
+                self._init_group(group),
+                lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
+                eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
+                maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
+                backend=self.backend, scratch=self._tail_scratch,
+            )
 
-    def _update(self, param, group, scalars: GroupScalars, batch: list | None = None) -> None:
-        """Step one parameter; a quantized one is only queued on ``batch`` when given."""
-        state = self.state[param]
-        if not state:
-            self._init_state(param, group, state)
-        state["step"] += 1
-        stochastic_round = group["bf16_stochastic_round"]
-        # FSDP2: each rank steps its own shards (plain tensors pass through unchanged).
-        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq = map(distributed.local, (
-            param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
-        ))
-        # The Triton kernel takes float32/bfloat16/float16 parameters; float64 ones (rare on
-        # a GPU) go through the compiled step.
-        grouped = batch is not None and param.dtype != torch.float64
-        if isinstance(exp_avg, QuantizedState) and grouped:
-            batch.append((param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, state["step"]))
-        elif isinstance(exp_avg, QuantizedState):
-            hyper = (scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
-                     state["step"])
-            backend = "compile" if self.backend == "triton" else self.backend
-            backends.run_quantized_step(
-                backend, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper,
-                self._tail_scratch, maximize=group["maximize"], stochastic_round=stochastic_round,
-            )
-        else:
-            fp32_state_adamw_step(
-                param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
-                weight_decay=scalars.weight_decay, step=state["step"],
-                maximize=group["maximize"], stochastic_round=stochastic_round,
-            )
+    def _init_group(self, group: dict) -> list[backends.ParamStep]:
+        """The group's parameters that have a gradient, with their state (created on first
+        use) and step count advanced; FSDP2 DTensors as this rank's local shards."""
+        entries = []
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                self._init_state(param, group, state)
+            state["step"] += 1
+            # FSDP2: each rank steps its own shards (plain tensors pass through unchanged).
+            entries.append(backends.ParamStep(
+                *map(distributed.local, (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                                         state.get("max_exp_avg_sq"))),
+                step=state["step"],
+            ))
+        return entries
