@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from lowbit_optim.functional import fp32_state_adamw_step, quantized_adamw_step
+from lowbit_optim.functional import float_state_adamw_step, quantized_adamw_step
 from lowbit_optim.state import QuantizedState
 
 BACKENDS = ("compile", "eager", "triton")
@@ -32,6 +32,11 @@ BACKENDS = ("compile", "eager", "triton")
 # dozen MiB whatever the parameter's size; one chunk is still large enough that the per-call
 # overhead (~0.1 ms) is negligible (docs/benchmarks.md, "Transient memory of one step").
 CHUNK_ELEMENTS = 1 << 20
+
+# Parameters with float moments and fewer elements than this (norms, biases) are stepped
+# together as one flat tensor; larger ones (a raised min_quant_size) alone, so that no
+# parameter-sized copy is made of them.
+FLAT_FLOAT_STATE_BELOW = 1 << 16
 
 
 def _triton_interpreter_on() -> bool:
@@ -81,19 +86,23 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
     """The functional AdamW step over one param group's parameters, in place.
 
     Hyperparameters are 0-d CPU tensors (``hyperparams.GroupScalars``). Each parameter goes to
-    the implementation its state needs: float moments to ``fp32_state_adamw_step``; quantized
+    the implementation its state needs: float moments to ``float_state_adamw_step`` (small ones
+together, a fixed number of kernels for any number of them); quantized
     ones one by one to the compiled (or eager) step, or, with ``backend="triton"``, all
     together to the Triton kernel (one launch per kind), except float64 parameters, which the
     kernel does not take and the compiled step does.
     """
-    grouped = []
+    grouped, float_state = [], {}
     for entry in entries:
         if not isinstance(entry.exp_avg, QuantizedState):
-            fp32_state_adamw_step(
-                entry.param, entry.grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq,
-                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                step=entry.step, maximize=maximize, stochastic_round=stochastic_round,
-            )
+            # Small ones share one flat step per (device, dtype, step count, amsgrad); a big
+            # one (min_quant_size raised) steps alone rather than be copied into the flat one.
+            if entry.param.numel() < FLAT_FLOAT_STATE_BELOW:
+                key = (entry.param.device, entry.param.dtype, float(entry.step),
+                       entry.max_exp_avg_sq is not None)
+            else:
+                key = id(entry.param)
+            float_state.setdefault(key, []).append(entry)
         elif backend == "triton" and entry.param.dtype != torch.float64:
             grouped.append(entry)
         else:
@@ -102,6 +111,14 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
                 (lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
                 maximize=maximize, stochastic_round=stochastic_round,
             )
+    for group in float_state.values():
+        amsgrad = group[0].max_exp_avg_sq is not None
+        float_state_adamw_step(
+            [e.param for e in group], [e.grad for e in group], [e.exp_avg for e in group],
+            [e.exp_avg_sq for e in group], [e.max_exp_avg_sq for e in group] if amsgrad else None,
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            step=group[0].step, maximize=maximize, stochastic_round=stochastic_round,
+        )
     if grouped:
         from lowbit_optim import kernels  # imports Triton: only when the backend is in use
 

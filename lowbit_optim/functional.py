@@ -87,21 +87,38 @@ def write_param(param: torch.Tensor, values: torch.Tensor, *, stochastic_round: 
         param.copy_(values)
 
 
-def fp32_state_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2,
-                          eps, weight_decay, step, maximize: bool, stochastic_round: bool):
-    """The step for parameters below ``min_quant_size``: float state (``compute_dtype``),
-    updated in place."""
-    dtype = compute_dtype(param)
+def float_state_adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, *, lr, beta1,
+                           beta2, eps, weight_decay, step, maximize: bool, stochastic_round: bool):
+    """The step for parameters with float moments (below ``min_quant_size``), in place.
+
+    Takes lists: parameters of one device and dtype with the same ``step`` are computed as one
+    flat tensor (``torch.cat``) and written back with ``torch._foreach_copy_``, so the number
+    of kernels does not grow with their number (issue 17: one by one, each norm or bias cost
+    ~40 ops, ~25 launches on a GPU). ``max_exp_avg_sqs`` is ``None`` unless amsgrad is on.
+    The moments are ``compute_dtype`` (float32; float64 for float64 parameters).
+    """
+    dtype = compute_dtype(params[0])
+
+    def flat(tensors):
+        return tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+
+    def scatter(targets, values):
+        pieces = values.split([t.numel() for t in targets])
+        torch._foreach_copy_(targets, [piece.view(t.shape) for piece, t in zip(pieces, targets)])
+
     new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
-        param.to(dtype), grad.to(dtype), exp_avg, exp_avg_sq, max_exp_avg_sq,
+        flat(params).to(dtype), flat(grads).to(dtype), flat(exp_avgs), flat(exp_avg_sqs),
+        None if max_exp_avg_sqs is None else flat(max_exp_avg_sqs),
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
         maximize=maximize,
     )
-    exp_avg.copy_(new_exp_avg)
-    exp_avg_sq.copy_(new_exp_avg_sq)
-    if max_exp_avg_sq is not None:
-        max_exp_avg_sq.copy_(new_max)
-    write_param(param, new_param, stochastic_round=stochastic_round)
+    scatter(exp_avgs, new_exp_avg)
+    scatter(exp_avg_sqs, new_exp_avg_sq)
+    if max_exp_avg_sqs is not None:
+        scatter(max_exp_avg_sqs, new_max)
+    if stochastic_round and params[0].dtype == torch.bfloat16:
+        new_param = round_to_bfloat16_stochastic(new_param)
+    scatter(params, new_param)
 
 
 def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
