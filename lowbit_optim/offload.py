@@ -105,7 +105,9 @@ class CPUOffloadOptimizer(Optimizer):
         self._offloaded: dict[torch.Tensor, _Offloaded] = {}  # device param -> its host side
         self._given_groups: list[list[torch.Tensor]] = []  # as given, frozen parameters included
         self._hooks = []
-        prepared = [self._host_group(group) for group in groups]
+        prepared = []
+        for group in groups:
+            prepared.append(self._host_group(group, [item for _, _, new in prepared for item in new]))
         self.host_optimizer = optimizer_class([host_group for host_group, _, _ in prepared], **kwargs)
         for _, given, new in prepared:
             self._adopt(given, new)
@@ -132,17 +134,17 @@ class CPUOffloadOptimizer(Optimizer):
         self.host_optimizer.add_param_group(host_group)
         self._adopt(given, new)
 
-    def _host_group(self, group: dict) -> tuple[dict, list, list[_Offloaded]]:
+    def _host_group(self, group: dict, earlier: list[_Offloaded] = ()) -> tuple[dict, list, list[_Offloaded]]:
         """The host optimizer's group for ``group``, its parameters as given and their new
         host copies (not live until ``_adopt``, so a group the host optimizer refuses leaves
-        nothing behind)."""
+        nothing behind). ``earlier``: copies prepared for other groups, not live yet."""
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         new = []
         for param in params:
             if not isinstance(param, torch.Tensor) or not param.is_leaf:
                 raise TypeError(f"optimizer can only optimize leaf Tensors, got {type(param).__name__}")
-            if param in self._offloaded or any(param is item.device_param for item in new):
+            if param in self._offloaded or any(param is item.device_param for item in (*earlier, *new)):
                 raise ValueError("some parameters appear in more than one parameter group")
             if not param.requires_grad:
                 continue
