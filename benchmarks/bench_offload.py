@@ -30,10 +30,12 @@ import sys
 
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, CPUOffloadOptimizer, state_bytes
-from lowbit_optim.bench import harness
-from lowbit_optim.bench.__main__ import PRESETS
-from lowbit_optim.bench.model import ByteGPT
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # runs from a plain checkout
+
+from lowbit_optim import AdamW4bit, AdamW8bit, CPUOffloadOptimizer, state_bytes  # noqa: E402
+from lowbit_optim.bench import harness  # noqa: E402
+from lowbit_optim.bench.__main__ import PRESETS  # noqa: E402
+from lowbit_optim.bench.model import ByteGPT  # noqa: E402
 
 IMPLEMENTATIONS = {
     "lowbit_8bit_offload": ("lowbit_optim offload, AdamW8bit", None),
