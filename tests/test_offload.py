@@ -8,6 +8,11 @@ same gradients). The ``cuda`` tests check the real device path when a GPU is pre
 """
 
 import copy
+import os
+import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -285,6 +290,41 @@ def test_trainer_refuses_offload_gradients_with_clipping(tmp_path):
     optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
     assert optimizer_cls is CPUOffloadOptimizer
     assert kwargs["optimizer_class"] is AdamW4bit and kwargs["offload_gradients"] is True
+
+
+# --- FSDP2's own CPU offload -------------------------------------------------------------
+FSDP2_CPU_OFFLOAD = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from lowbit_optim import AdamW4bit
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    sharded, plain = model(), model()
+    policy = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
+    for module in (sharded[0], sharded[2], sharded):
+        fully_shard(module, offload_policy=policy)
+    optimizers = [AdamW4bit(m.parameters(), lr=1e-2, min_quant_size=1024, backend="eager")
+                  for m in (sharded, plain)]
+    for step in range(3):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        for m, optimizer in zip((sharded, plain), optimizers):
+            m(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(sharded.parameters(), plain.parameters()):
+        assert torch.equal(a.full_tensor(), b)
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_cpu_offload_policy_with_our_optimizer():
+    # A process of its own: the process group must not leak into other tests.
+    env = {**os.environ, "PORT": str(random.randint(20000, 40000))}
+    subprocess.run([sys.executable, "-c", FSDP2_CPU_OFFLOAD], check=True, env=env, timeout=120)
 
 
 # --- the real device path ---------------------------------------------------------------
