@@ -209,8 +209,10 @@ class CPUOffloadOptimizer(Optimizer):
                 item.staging = self.transfers.host_empty(grad)
             item.pending = self.transfers.download(item.staging, grad)
             item.staged = True
+        # Whoever frees the device gradient (us now, or zero_grad, or the user) must not let
+        # its memory be reused before the copy has read it.
+        self.transfers.release(grad)
         if self.offload_gradients:
-            self.transfers.release(grad)
             item.device_param.grad = None
 
     def _land(self, item: _Offloaded) -> None:

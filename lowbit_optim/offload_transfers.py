@@ -39,7 +39,7 @@ class Transfers:
         return self.stream.record_event()
 
     def release(self, device_tensor: torch.Tensor) -> None:
-        """The caller drops ``device_tensor`` now: keep its memory until the copy has read it."""
+        """``device_tensor`` may be freed before its copy has run: keep its memory until then."""
         if self.is_cuda:
             device_tensor.record_stream(self.stream)
 
