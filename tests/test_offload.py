@@ -8,7 +8,10 @@ same gradients). The ``cuda`` tests check the real device path when a GPU is pre
 """
 
 import copy
+import importlib.util
+import json
 import os
+import pathlib
 import random
 import subprocess
 import sys
@@ -325,6 +328,22 @@ def test_fsdp2_cpu_offload_policy_with_our_optimizer():
     # A process of its own: the process group must not leak into other tests.
     env = {**os.environ, "PORT": str(random.randint(20000, 40000))}
     subprocess.run([sys.executable, "-c", FSDP2_CPU_OFFLOAD], check=True, env=env, timeout=120)
+
+
+# --- the GPU check's overlap measure ----------------------------------------------------------
+def test_gpu_check_reads_copy_overlap_from_a_profiler_trace(tmp_path):
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_offload_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_offload_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "gemm", "ts": 5, "dur": 10},  # overlapping kernels count once
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 10, "dur": 10},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 0, "dur": 30},
+    ]}))
+    assert check.copy_overlap(trace) == 0.5
 
 
 # --- the real device path ---------------------------------------------------------------
