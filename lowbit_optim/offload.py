@@ -29,6 +29,7 @@ counter and copied again at ``step()``. A device parameter written from outside 
 """
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -82,14 +83,15 @@ class CPUOffloadOptimizer(Optimizer):
             )
         if optimizer_class is torch.optim.AdamW:
             kwargs.setdefault("fused", True)
-        # What torch.optim.Optimizer.__init__ sets up for step hooks and profiling; its
-        # param_groups/state/defaults are the host optimizer's (properties below).
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        # What torch.optim.Optimizer.__init__ sets up for step hooks and profiling (OrderedDicts:
+        # hook handles hold weak references to them); its param_groups/state/defaults are the
+        # host optimizer's (properties below).
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
 
         if isinstance(params, torch.Tensor):
@@ -306,6 +308,8 @@ class CPUOffloadOptimizer(Optimizer):
     def state_dict(self) -> dict:
         """The host optimizer's state dict, numbered as the parameters given here: the same
         dict the optimizer without offload saves (same keys, same formats)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         host = self.host_optimizer.state_dict()
         mapping = self._host_index_to_given()
         groups, given_index = [], 0
@@ -313,12 +317,17 @@ class CPUOffloadOptimizer(Optimizer):
             groups.append({**saved, "params": list(range(given_index, given_index + len(given)))})
             given_index += len(given)
         state = {mapping[index]: value for index, value in host["state"].items()}
-        return {"state": state, "param_groups": groups}
+        state_dict = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = post_hook(self, state_dict) or state_dict
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer, or of ``optimizer_class`` without offload
         built over the same parameters. State saved for parameters frozen here is dropped:
         this optimizer never steps them."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         groups = state_dict["param_groups"]
         if len(groups) != len(self._given_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -337,3 +346,5 @@ class CPUOffloadOptimizer(Optimizer):
         state = {saved_to_host[saved_id]: value for saved_id, value in state_dict["state"].items()
                  if saved_id in saved_to_host}
         self.host_optimizer.load_state_dict({"state": state, "param_groups": host_groups})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -129,6 +129,19 @@ def test_param_groups_with_their_own_hyperparameters():
     assert [group["weight_decay"] for group in offloaded.param_groups] == [0.0, 1e-2]
 
 
+def test_add_param_group_and_step_hooks():
+    (plain_model, plain), (offload_model, offloaded) = twins(
+        "AdamW8bit", groups=lambda model: list(model[0].parameters()))
+    steps_seen = []
+    offloaded.register_step_post_hook(lambda optimizer, args, kwargs: steps_seen.append(optimizer))
+    for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
+        optimizer.add_param_group({"params": list(model[3].parameters()), "lr": 5e-3})
+    train([(plain_model, plain, None), (offload_model, offloaded, None)])
+    assert_same_params(plain_model, offload_model)
+    assert steps_seen == [offloaded] * STEPS
+    assert offloaded.param_groups[1]["params"][0] is offloaded.host_param(offload_model[3].weight)
+
+
 @pytest.mark.parametrize("clip", ["device", "helper"])
 def test_gradient_clipping(clip):
     # "device": torch.nn.utils.clip_grad_norm_(model.parameters()) after the hooks copied the
@@ -219,6 +232,15 @@ def test_resume_from_a_checkpoint_is_bit_exact(route):
     train([(resumed_model, resumed, None)], range(STEPS // 2, STEPS))
     assert_same_params(reference_model, resumed_model)
     assert_same_state(reference.state_dict(), resumed.state_dict())
+
+
+def test_state_dict_hooks_run():
+    _, (_, offloaded) = twins("AdamW8bit")
+    calls = []
+    offloaded.register_state_dict_post_hook(lambda optimizer, state_dict: calls.append("saved"))
+    offloaded.register_load_state_dict_post_hook(lambda optimizer: calls.append("loaded"))
+    offloaded.load_state_dict(offloaded.state_dict())
+    assert calls == ["saved", "loaded"]
 
 
 def test_a_state_dict_that_does_not_fit_is_refused():
