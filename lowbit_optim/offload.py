@@ -81,8 +81,8 @@ class CPUOffloadOptimizer(Optimizer):
                 "CPUOffloadOptimizer offloads every trained parameter (torchao's minimal_size "
                 "kept small ones on the device with a second optimizer); drop minimal_size"
             )
-        if optimizer_class is torch.optim.AdamW:
-            kwargs.setdefault("fused", True)
+        if optimizer_class is torch.optim.AdamW and "fused" not in kwargs and "foreach" not in kwargs:
+            kwargs["fused"] = True
         # What torch.optim.Optimizer.__init__ sets up for step hooks and profiling (OrderedDicts:
         # hook handles hold weak references to them); its param_groups/state/defaults are the
         # host optimizer's (properties below).
