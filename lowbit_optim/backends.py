@@ -1,26 +1,37 @@
-"""How a quantized step runs: backend choice, the compiled functions, the block layout.
+"""How a step runs: backend choice, the functional entry point ``adamw`` that sends each
+parameter to its implementation, the compiled functions, the block layout.
 
 ``torch.compile`` sees every parameter as a ``(num_blocks, block_size)`` view with only
 ``num_blocks`` dynamic. On this kind of CPU that keeps one graph for every size at close to
 static-shape speed, whereas a flat 1-D tensor with a dynamic length compiles to code ~3.5x
 slower (shared FINDINGS: the static block dimension is what vectorises). A parameter whose
-size is not a multiple of the block size runs its whole blocks in place and its last, partial
-block through a one-block scratch buffer, reusing the same graph.
+size is not a multiple of the block size runs its whole blocks in place, in chunks of at most
+``CHUNK_ELEMENTS`` (bounding the step's temporaries), and its last, partial block through a
+one-block scratch buffer, all reusing the same graph.
 """
 
 import functools
 import importlib.util
 import os
 import types
+from typing import NamedTuple
 
 import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from lowbit_optim.functional import quantized_adamw_step
+from lowbit_optim.functional import fp32_state_adamw_step, quantized_adamw_step
 from lowbit_optim.state import QuantizedState
 
 BACKENDS = ("compile", "eager", "triton")
+
+# The most elements one call of the compiled (or eager) step updates. Its generated code keeps
+# buffers of its input's size between passes (~23 bytes per element for 4-bit before issue 14;
+# shared FINDINGS), so a 50M-element embedding stepped whole allocated ~1.2 GB of temporaries,
+# 3x fp32 AdamW's entire state. In chunks of 2**20 elements the temporaries stay at a few
+# dozen MiB whatever the parameter's size; one chunk is still large enough that the per-call
+# overhead (~0.1 ms) is negligible (docs/benchmarks.md, "Transient memory of one step").
+CHUNK_ELEMENTS = 1 << 20
 
 
 def _triton_interpreter_on() -> bool:
@@ -53,22 +64,49 @@ def resolve_backend(backend: str | None, devices=()) -> str:
     return backend
 
 
-def takes_groups(backend: str) -> bool:
-    """Whether ``backend`` steps a param group's quantized parameters together
-    (``run_quantized_group``) rather than one by one (``run_quantized_step``)."""
-    return backend == "triton"
+class ParamStep(NamedTuple):
+    """One parameter's share of a step: the tensors it updates and its step count."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor | None
+    step: torch.Tensor
 
 
-def run_quantized_group(entries: list[tuple], scalars, lr: torch.Tensor, *, maximize: bool,
-                        stochastic_round: bool) -> None:
-    """Step a param group's quantized parameters together: one launch per kind.
+def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
+          eps: torch.Tensor, weight_decay: torch.Tensor, maximize: bool, stochastic_round: bool,
+          backend: str, scratch: "TailScratch") -> None:
+    """The functional AdamW step over one param group's parameters, in place.
 
-    ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)``.
+    Hyperparameters are 0-d CPU tensors (``hyperparams.GroupScalars``). Each parameter goes to
+    the implementation its state needs: float moments to ``fp32_state_adamw_step``; quantized
+    ones one by one to the compiled (or eager) step, or, with ``backend="triton"``, all
+    together to the Triton kernel (one launch per kind), except float64 parameters, which the
+    kernel does not take and the compiled step does.
     """
-    from lowbit_optim import kernels  # imports Triton: only when the backend is in use
+    grouped = []
+    for entry in entries:
+        if not isinstance(entry.exp_avg, QuantizedState):
+            fp32_state_adamw_step(
+                entry.param, entry.grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq,
+                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                step=entry.step, maximize=maximize, stochastic_round=stochastic_round,
+            )
+        elif backend == "triton" and entry.param.dtype != torch.float64:
+            grouped.append(entry)
+        else:
+            run_quantized_step(
+                "compile" if backend == "triton" else backend, entry,
+                (lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
+                maximize=maximize, stochastic_round=stochastic_round,
+            )
+    if grouped:
+        from lowbit_optim import kernels  # imports Triton: only when the backend is in use
 
-    kernels.step_group(entries, lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
-                       maximize=maximize, stochastic_round=stochastic_round)
+        kernels.step_group(grouped, lr, beta1, beta2, eps, weight_decay,
+                           maximize=maximize, stochastic_round=stochastic_round)
 
 
 def _with_own_code_object(fn, name: str):
@@ -117,12 +155,12 @@ class TailScratch:
         return self._buffers[key]
 
 
-def run_quantized_step(backend: str, param: torch.Tensor, grad: torch.Tensor,
-                       exp_avg: QuantizedState, exp_avg_sq: QuantizedState,
-                       max_exp_avg_sq: QuantizedState | None, hyper: tuple, scratch: TailScratch,
-                       *, maximize: bool, stochastic_round: bool) -> None:
-    """Update ``param`` and the quantized moments in place with ``"compile"`` or ``"eager"``
-    (``"triton"`` steps whole groups: ``run_quantized_group``)."""
+def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: TailScratch, *,
+                       maximize: bool, stochastic_round: bool) -> None:
+    """Update one parameter and its quantized moments in place with ``"compile"`` or
+    ``"eager"``. ``hyper``: ``(lr, beta1, beta2, eps, weight_decay, step)``, 0-d CPU tensors
+    passed positionally, as the compiled function takes them."""
+    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = entry
     if backend == "compile":
         step = compiled_step(exp_avg.format, exp_avg_sq.format)
     else:
@@ -150,11 +188,14 @@ def run_quantized_step(backend: str, param: torch.Tensor, grad: torch.Tensor,
             pairs.append((None, None))
         return [t for pair in pairs for t in pair]
 
-    if whole_blocks:
-        body = slice(0, whole_blocks)
-        _call(step, backend, flat_param[: whole_blocks * block_size].view(whole_blocks, block_size),
-              flat_grad[: whole_blocks * block_size].view(whole_blocks, block_size),
-              inner(body), hyper)
+    # Whole blocks, a bounded chunk at a time (CHUNK_ELEMENTS); every chunk reuses the graph.
+    chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
+    for first in range(0, whole_blocks, chunk_blocks):
+        rows = slice(first, min(first + chunk_blocks, whole_blocks))
+        count = rows.stop - rows.start
+        elements = slice(rows.start * block_size, rows.stop * block_size)
+        _call(step, backend, flat_param[elements].view(count, block_size),
+              flat_grad[elements].view(count, block_size), inner(rows), hyper)
     if tail:
         start = whole_blocks * block_size
         param_block = scratch.get(flat_param, block_size, "param")

@@ -21,12 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim.distributed import local
+from lowbit_optim.distributed import is_dtensor, local, wrap_like
 from lowbit_optim.functional import compute_dtype
-from lowbit_optim.hyperparams import is_lr_tensor, new_lr_tensor
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.state import MOMENT_KEYS, QuantizedState
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 # Group options only this package has; a state dict without them was saved by another optimizer.
 LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round")
 # torch.optim.AdamW's group options, with the values our exported state dicts give them:
@@ -80,19 +78,6 @@ def _slot_for(slots: dict, saved_id) -> _Slot:
     return slots[saved_id]
 
 
-def _quantized(param: torch.Tensor, group: dict) -> bool:
-    """Whether the optimizer keeps this parameter's moments quantized (as ``_init_state``)."""
-    return param.numel() > 0 and param.numel() >= group["min_quant_size"]
-
-
-def _moment_format(optimizer, key: str):
-    return optimizer.exp_avg_format if key == "exp_avg" else optimizer.exp_avg_sq_format
-
-
-def _moment_keys(group: dict) -> tuple[str, ...]:
-    return MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
-
-
 def is_torch_adamw_state_dict(state_dict) -> bool:
     """Whether ``state_dict`` comes from ``torch.optim.AdamW`` (or another optimizer without
     our group options) rather than from a ``LowBitAdamW``."""
@@ -101,7 +86,7 @@ def is_torch_adamw_state_dict(state_dict) -> bool:
 
 
 # --- validation ---------------------------------------------------------------------------
-def validate_state_dict(optimizer, state_dict) -> None:
+def validate_state_dict(optimizer, state_dict, slots: dict | None = None) -> None:
     """Raise ``ValueError`` naming the parameter if ``state_dict`` does not fit ``optimizer``.
 
     Checks group and parameter counts, each group's hyperparameters, and every state entry:
@@ -109,9 +94,9 @@ def validate_state_dict(optimizer, state_dict) -> None:
     on), shaped like the parameter, quantized exactly when the parameter has at least
     ``min_quant_size`` elements, in this optimizer's formats and the group's block size,
     with codes and scales of the right dtype and shape and finite, non-negative scales.
-    Nothing is modified.
+    Nothing is modified. ``slots``: ``_slots(optimizer, state_dict)`` if already built.
     """
-    slots = _slots(optimizer, state_dict)
+    slots = slots or _slots(optimizer, state_dict)
     for index, saved in enumerate(state_dict["param_groups"]):
         try:
             optimizer._check_group({**optimizer.defaults, **saved})
@@ -123,7 +108,7 @@ def validate_state_dict(optimizer, state_dict) -> None:
             raise ValueError(f"{slot.label}: its state is a {type(entry).__name__}, not a dict")
         _check_step(slot, entry.get("step"))
         group = {**optimizer.defaults, **slot.group}
-        keys = _moment_keys(group)
+        keys = optimizer.moment_keys(group)
         missing = [key for key in keys if key not in entry]
         if missing:
             raise ValueError(f"{slot.label}: state has no {', '.join(missing)}")
@@ -151,7 +136,7 @@ def _check_moment(optimizer, slot: _Slot, group: dict, key: str, value) -> None:
     if tuple(value.shape) != tuple(slot.param.shape):
         raise ValueError(f"{where} has shape {tuple(value.shape)}, not the parameter's")
     shard = local(value)
-    if not _quantized(slot.param, group):
+    if not optimizer.is_quantized(slot.param, group):
         if isinstance(shard, QuantizedState) or not shard.is_floating_point():
             got = "a QuantizedState" if isinstance(shard, QuantizedState) else f"a {shard.dtype} tensor"
             raise ValueError(
@@ -159,7 +144,7 @@ def _check_moment(optimizer, slot: _Slot, group: dict, key: str, value) -> None:
                 f"{group['min_quant_size']} elements), got {got}"
             )
         return
-    fmt, block_size = _moment_format(optimizer, key), group["block_size"]
+    fmt, block_size = optimizer.moment_format(key), group["block_size"]
     if not isinstance(shard, QuantizedState):
         raise ValueError(
             f"{where} must be a QuantizedState ({fmt.name}, block_size={block_size}), got a "
@@ -211,22 +196,19 @@ class PreparedLoad:
                 else:
                     state[key] = value.to(device=param.device, dtype=compute_dtype(param))
             optimizer.state[param] = {key: state[key] for key in order}
-        # The step reads each group's LR from its own 0-d CPU float32 tensor (hyperparams).
-        seen = set()
-        for group in optimizer.param_groups:
-            lr = group["lr"]
-            if not is_lr_tensor(lr) or id(lr) in seen:
-                group["lr"] = lr = new_lr_tensor(lr)
-            seen.add(id(lr))
 
 
 def prepare_load(optimizer, state_dict) -> PreparedLoad:
-    """Convert (if it is a ``torch.optim.AdamW`` one) and check ``state_dict`` for
-    ``optimizer``; raises ``ValueError`` without touching anything if it does not fit."""
-    if is_torch_adamw_state_dict(state_dict):
-        state_dict = from_torch_adamw(optimizer, state_dict)
-    validate_state_dict(optimizer, state_dict)
+    """Convert (a full state dict gathered from FSDP2 shards, a ``torch.optim.AdamW`` one)
+    and check ``state_dict`` for ``optimizer``; raises ``ValueError`` without touching
+    anything if it does not fit."""
     slots = _slots(optimizer, state_dict)
+    state_dict = _quantize_sharded_float_moments(optimizer, state_dict, slots)
+    if is_torch_adamw_state_dict(state_dict):
+        state_dict = from_torch_adamw(optimizer, state_dict, slots)
+        # Mapped again: the converted groups now carry this optimizer's block sizes.
+        slots = _slots(optimizer, state_dict)
+    validate_state_dict(optimizer, state_dict, slots)
     state, held = {}, {}
     for saved_id, entry in state_dict["state"].items():
         keep = {k: v for k, v in entry.items() if k != "step" and not _is_plain_moment(k, v)}
@@ -240,7 +222,7 @@ def _is_plain_moment(key, value) -> bool:
 
 
 # --- conversion -----------------------------------------------------------------------------
-def from_torch_adamw(optimizer, state_dict) -> dict:
+def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     """A ``torch.optim.AdamW`` state dict as ``optimizer`` (a ``LowBitAdamW``) would save it.
 
     Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
@@ -249,7 +231,7 @@ def from_torch_adamw(optimizer, state_dict) -> dict:
     elements are quantized in the optimizer's formats; the others stay float32.
     ``optimizer.load_state_dict`` calls this itself when given a torch state dict.
     """
-    slots = _slots(optimizer, state_dict)
+    slots = slots or _slots(optimizer, state_dict)
     groups = []
     for index, (saved, own) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
         if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay", 0) != 0:
@@ -271,14 +253,14 @@ def from_torch_adamw(optimizer, state_dict) -> dict:
         group = group_of[saved_id]
         for key in MOMENT_KEYS:
             value = entry.get(key)
-            if not isinstance(value, torch.Tensor) or not _quantized(slot.param, group):
+            if not isinstance(value, torch.Tensor) or not optimizer.is_quantized(slot.param, group):
                 continue
             if value.numel() != slot.param.numel():
                 raise ValueError(
                     f"{slot.label}: {key} has shape {tuple(value.shape)}, not the parameter's"
                 )
             converted[key] = QuantizedState.zeros(
-                value.shape, _moment_format(optimizer, key), group["block_size"],
+                value.shape, optimizer.moment_format(key), group["block_size"],
                 device=value.device, dtype=slot.param.dtype,
             ).quantize_(value)
         state[saved_id] = converted
@@ -313,3 +295,34 @@ def to_torch_adamw(state_dict) -> dict:
             converted[key] = value
         state[saved_id] = converted
     return {"state": state, "param_groups": groups}
+
+
+def _quantize_sharded_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
+    """``state_dict`` with each float DTensor moment of a quantized parameter re-quantized.
+
+    ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers sharded moments as their
+    float values (``full_tensor()`` of a quantized shard dequantizes), and
+    ``set_optimizer_state_dict`` shards them back as float DTensors; this turns them into
+    quantized shards again, in ``optimizer``'s formats and the group's block size, before
+    they are checked. Loaded with the sharding that saved them this is exact (each shard
+    re-quantizes the values it dequantized); otherwise it costs one rounding. Anything else
+    is passed through, to be checked. Nothing is modified.
+    """
+    state = {}
+    for saved_id, entry in state_dict["state"].items():
+        slot = slots.get(saved_id)
+        if slot is None or not isinstance(entry, Mapping):
+            state[saved_id] = entry
+            continue
+        group = {**optimizer.defaults, **slot.group}
+        entry = dict(entry)
+        for key in MOMENT_KEYS:
+            value = entry.get(key)
+            float_shard = is_dtensor(value) and not isinstance(local(value), QuantizedState)
+            if float_shard and optimizer.is_quantized(slot.param, group):
+                shard = local(value)
+                moment = QuantizedState.zeros(shard.shape, optimizer.moment_format(key), group["block_size"],
+                                              device=shard.device, dtype=slot.param.dtype)
+                entry[key] = wrap_like(moment.quantize_(shard), value)
+        state[saved_id] = entry
+    return {**state_dict, "state": state}

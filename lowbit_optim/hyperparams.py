@@ -3,9 +3,11 @@
 Why tensors: ``torch.compile`` bakes a Python float into the graph and recompiles when it
 changes (shared seeds: a cosine schedule recompiled every step). A 0-d CPU tensor is a graph
 input instead, and device kernels receive a CPU scalar as an argument, so changing it costs
-neither a recompile nor a host-to-device copy. Why on CPU and refreshed in place: no
-per-step allocation, and ``group["lr"] = 0.0005`` (timm style) or OneCycleLR rewriting
-``betas`` keep working: the new value is read into the same tensors at the next step.
+neither a recompile nor a host-to-device copy. Why owned by the optimizer, on CPU and
+refreshed in place: no per-step allocation, and whatever the user does to the group
+(a scheduler, ``group["lr"] = 0.0005`` timm style, ``group["lr"].fill_(x)``, OneCycleLR
+rewriting ``betas``) is read into the same tensors at the next step, while the group keeps
+exactly what the user wrote.
 """
 
 import math
@@ -13,9 +15,9 @@ import numbers
 
 import torch
 
-LR_DTYPE = torch.float32
-# Betas, eps and weight decay are float64 so that the bias corrections 1 - beta**step are
-# formed in float64, as torch.optim.AdamW forms them from Python floats.
+# float64, as torch.optim.AdamW computes with Python floats: the bias corrections
+# 1 - beta**step and lr / bias_correction1 are formed in float64, and a float LR reaches the
+# step unrounded.
 HYPER_DTYPE = torch.float64
 
 
@@ -48,47 +50,34 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def is_lr_tensor(value) -> bool:
-    """Whether ``value`` can serve as a group's LR as it is: a 0-d float32 CPU tensor."""
-    return (
-        isinstance(value, torch.Tensor)
-        and value.device.type == "cpu"
-        and value.dtype == LR_DTYPE
-        and value.dim() == 0
-    )
-
-
-def new_lr_tensor(value) -> torch.Tensor:
-    return torch.tensor(_as_float("lr", value), dtype=LR_DTYPE)
-
-
 class GroupScalars:
-    """The 0-d CPU tensors one param group's step reads: refreshed in place every step."""
+    """The 0-d CPU tensors one param group's step reads, owned by the optimizer and refreshed
+    in place from the group at every step.
+
+    ``param_groups`` keep what the user wrote: a float LR stays a float (what schedulers,
+    loggers and ``json.dumps`` see), a tensor LR stays the user's tensor. Only these copies,
+    never the group's values, reach the compiled step, so a new LR or new betas change the
+    tensors' contents, never the graph's inputs: no recompile, no allocation.
+    """
 
     def __init__(self):
-        self.lr: torch.Tensor | None = None
+        self.lr = torch.zeros((), dtype=HYPER_DTYPE)
         self.beta1 = torch.zeros((), dtype=HYPER_DTYPE)
         self.beta2 = torch.zeros((), dtype=HYPER_DTYPE)
         self.eps = torch.zeros((), dtype=HYPER_DTYPE)
         self.weight_decay = torch.zeros((), dtype=HYPER_DTYPE)
 
-    def refresh(self, group: dict) -> torch.Tensor:
-        """Validate the group's current values, copy them in, and return its LR tensor.
-
-        A float (or foreign tensor) put into ``group["lr"]`` is written into the group's own
-        LR tensor, which is put back, so the compiled step always sees the same input.
-        """
+    def refresh(self, group: dict) -> None:
+        """Validate the group's current values (raising before anything changes) and copy them in."""
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        lr = group["lr"]
-        if is_lr_tensor(lr):
-            self.lr = lr
-        else:
-            if self.lr is None:
-                self.lr = new_lr_tensor(lr)
-            self.lr.fill_(_as_float("lr", lr))
-            group["lr"] = self.lr
-        self.beta1.fill_(_as_float("beta1", group["betas"][0]))
-        self.beta2.fill_(_as_float("beta2", group["betas"][1]))
-        self.eps.fill_(_as_float("eps", group["eps"]))
-        self.weight_decay.fill_(_as_float("weight_decay", group["weight_decay"]))
-        return self.lr
+        for tensor, value in (
+            (self.lr, group["lr"]),
+            (self.beta1, group["betas"][0]),
+            (self.beta2, group["betas"][1]),
+            (self.eps, group["eps"]),
+            (self.weight_decay, group["weight_decay"]),
+        ):
+            if isinstance(value, torch.Tensor):
+                tensor.copy_(value.detach().reshape(()))  # no host sync for a CPU tensor
+            else:
+                tensor.fill_(value)

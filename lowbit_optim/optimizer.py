@@ -2,24 +2,20 @@
 
 The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats; all
 behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
-moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments, which cost
-little and follow ``torch.optim.AdamW`` to within rounding. Every group's LR is a 0-d CPU
-float32 tensor from construction on (see ``hyperparams``).
+moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
+float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
+``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
+the optimizer owns (see ``hyperparams``).
 """
 
 import torch
 from torch.optim import Optimizer
 
 from lowbit_optim import backends, checkpoint, distributed
-from lowbit_optim.functional import compute_dtype, fp32_state_adamw_step
-from lowbit_optim.hyperparams import (
-    GroupScalars,
-    check_hyperparameters,
-    is_lr_tensor,
-    new_lr_tensor,
-)
+from lowbit_optim.functional import compute_dtype
+from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
 from lowbit_optim.quant.formats import QuantFormat
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.state import MOMENT_KEYS
 
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
@@ -41,16 +37,29 @@ class LowBitAdamW(Optimizer):
             maximize=maximize, block_size=block_size, min_quant_size=min_quant_size,
             bf16_stochastic_round=bf16_stochastic_round,
         )
-        self._group_scalars: list[GroupScalars] = []
-        self._tail_scratch = backends.TailScratch()
+        self._init_step_helpers()
         super().__init__(params, defaults)
         # From the parameters' devices: None picks "triton" only when they are all CUDA.
-        self.backend = backends.resolve_backend(
-            backend, [p.device for group in self.param_groups for p in group["params"]]
-        )
+        self.backend = backends.resolve_backend(backend, self._devices())
+
+    def _init_step_helpers(self) -> None:
+        """What the step keeps between calls besides ``state``: rebuilt, never saved."""
+        self._group_scalars: list[GroupScalars] = []
+        self._tail_scratch = backends.TailScratch()
+
+    def _devices(self) -> list[torch.device]:
+        return [p.device for group in self.param_groups for p in group["params"]]
+
+    def __getstate__(self):
+        # torch's Optimizer pickles only defaults, state and param_groups; the backend choice
+        # must survive copy.deepcopy and pickle too (the step helpers are rebuilt).
+        return {**super().__getstate__(), "backend": self.backend}
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._init_step_helpers()
+        if "backend" not in self.__dict__:
+            self.backend = backends.resolve_backend(None, self._devices())
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -65,7 +74,6 @@ class LowBitAdamW(Optimizer):
         that does not fit raises ``ValueError`` naming the parameter, with the optimizer left
         unchanged. See ``lowbit_optim.checkpoint`` and docs/checkpoints.md.
         """
-        state_dict = distributed.quantize_sharded_float_moments(self, state_dict)
         prepared = checkpoint.prepare_load(self, state_dict)
         super().load_state_dict(prepared.state_dict)
         prepared.finish(self)
@@ -75,25 +83,23 @@ class LowBitAdamW(Optimizer):
         candidate = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._check_group(candidate)
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch refuses sets itself, with its own message
+            # Consumed once here and handed on as a list: a generator (``m.parameters()``)
+            # would otherwise reach torch exhausted and the group would silently be empty.
+            params = list(params)
+            param_group = {**param_group, "params": params}
         for param in params:
-            if isinstance(param, torch.Tensor) and param.is_complex():
+            # named_parameters() gives (name, parameter) pairs, which torch accepts.
+            tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
+            if isinstance(tensor, torch.Tensor) and tensor.is_complex():
                 raise ValueError(
                     f"{type(self).__name__} does not support complex parameters "
-                    f"(got one of shape {tuple(param.shape)}, dtype {param.dtype}); "
+                    f"(got one of shape {tuple(tensor.shape)}, dtype {tensor.dtype}); "
                     "view it as real with torch.view_as_real"
                 )
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        group["lr"] = self._own_lr(group["lr"])
-
-    def _own_lr(self, lr) -> torch.Tensor:
-        """The group's LR tensor: the user's own if it is a 0-d CPU float32 tensor no other
-        group uses (so their in-place changes reach the step), else a fresh one."""
-        in_use = any(group["lr"] is lr for group in self.param_groups[:-1])
-        if is_lr_tensor(lr) and not in_use:
-            return lr
-        return new_lr_tensor(lr)
 
     def _check_group(self, group: dict) -> None:
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -112,26 +118,30 @@ class LowBitAdamW(Optimizer):
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
 
-    # --- state --------------------------------------------------------------------------
+    # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
+    def moment_keys(self, group: dict) -> tuple[str, ...]:
+        """The moments a parameter of ``group`` has (``max_exp_avg_sq`` only with amsgrad)."""
+        return MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
+
+    def moment_format(self, key: str) -> QuantFormat:
+        """The format of quantized moment ``key``: amsgrad's maximum is a second moment."""
+        return self.exp_avg_format if key == "exp_avg" else self.exp_avg_sq_format
+
+    def is_quantized(self, param: torch.Tensor, group: dict) -> bool:
+        """Whether ``param``'s moments are quantized (else float32, float64 for float64).
+
+        ``numel()`` of an FSDP2 (DTensor) parameter is its global size: the decision never
+        depends on how it is sharded (see lowbit_optim.distributed)."""
+        return param.numel() > 0 and param.numel() >= group["min_quant_size"]
+
     def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        # numel() of an FSDP2 (DTensor) parameter is its global size: the decision must not
-        # depend on how it is sharded (see lowbit_optim.distributed).
-        if param.numel() >= group["min_quant_size"] and param.numel() > 0:
-            def new(fmt):
-                return distributed.zeros_state(param, fmt, group["block_size"])
-            state["exp_avg"] = new(self.exp_avg_format)
-            state["exp_avg_sq"] = new(self.exp_avg_sq_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = new(self.exp_avg_sq_format)
-        else:
-            def new():
-                return torch.zeros_like(param, dtype=compute_dtype(param),
-                                        memory_format=torch.preserve_format)
-            state["exp_avg"] = new()
-            state["exp_avg_sq"] = new()
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = new()
+        for key in self.moment_keys(group):
+            if self.is_quantized(param, group):
+                state[key] = distributed.zeros_state(param, self.moment_format(key), group["block_size"])
+            else:
+                state[key] = torch.zeros_like(param, dtype=compute_dtype(param),
+                                              memory_format=torch.preserve_format)
 
     # --- the step -----------------------------------------------------------------------
     def _check_grads(self) -> None:
@@ -171,44 +181,50 @@ class LowBitAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_grads()
-        scalars = [self._scalars(i) for i in range(len(self.param_groups))]
-        lrs = [s.refresh(group) for s, group in zip(scalars, self.param_groups)]
-        for group, group_scalars, lr in zip(self.param_groups, scalars, lrs):
-            batch = [] if backends.takes_groups(self.backend) else None
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group, group_scalars, lr, batch)
-            if batch:
-                backends.run_quantized_group(
-                    batch, group_scalars, lr, maximize=group["maximize"],
-                    stochastic_round=group["bf16_stochastic_round"],
-                )
+        self._step()
         return loss
 
-    def _update(self, param, group, scalars: GroupScalars, lr, batch: list | None = None) -> None:
-        """Step one parameter; a quantized one is only queued on ``batch`` when given."""
-        state = self.state[param]
-        if not state:
-            self._init_state(param, group, state)
-        state["step"] += 1
-        stochastic_round = group["bf16_stochastic_round"]
-        # FSDP2: each rank steps its own shards (plain tensors pass through unchanged).
-        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq = map(distributed.local, (
-            param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
-        ))
-        if isinstance(exp_avg, QuantizedState) and batch is not None:
-            batch.append((param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, state["step"]))
-        elif isinstance(exp_avg, QuantizedState):
-            hyper = (lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay, state["step"])
-            backends.run_quantized_step(
-                self.backend, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper,
-                self._tail_scratch, maximize=group["maximize"], stochastic_round=stochastic_round,
+    # Under the user's own torch.compile (the compiled-optimizer tutorial wraps opt.step()
+    # and sched.step() in one compiled function) Dynamo skips this frame: the step runs as
+    # it does uncompiled, through our own compiled kernels, and reads the LR and betas from
+    # the groups at run time. Traced instead, the group's float LR and betas would become
+    # guarded constants of the user's graph (one recompile per new value), and per-parameter
+    # shapes would be baked in. Measured in docs/usage.md ("torch.compile around the step").
+    @torch.compiler.disable(
+        reason="lowbit_optim's step runs its own compiled kernels and is a graph break in a "
+               "torch.compile'd caller, so fullgraph=True cannot include it: compile the "
+               "caller with fullgraph=False (one graph either side of opt.step()), or call "
+               "opt.step() outside the compiled function (docs/usage.md)"
+    )
+    def _step(self) -> None:
+        self._check_grads()
+        scalars = [self._scalars(i) for i in range(len(self.param_groups))]
+        for group_scalars, group in zip(scalars, self.param_groups):
+            group_scalars.refresh(group)
+        for group, group_scalars in zip(self.param_groups, scalars):
+            backends.adamw(
+                self._init_group(group),
+                lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
+                eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
+                maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
+                backend=self.backend, scratch=self._tail_scratch,
             )
-        else:
-            fp32_state_adamw_step(
-                param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                lr=lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
-                weight_decay=scalars.weight_decay, step=state["step"],
-                maximize=group["maximize"], stochastic_round=stochastic_round,
-            )
+
+    def _init_group(self, group: dict) -> list[backends.ParamStep]:
+        """The group's parameters that have a gradient, with their state (created on first
+        use) and step count advanced; FSDP2 DTensors as this rank's local shards."""
+        entries = []
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                self._init_state(param, group, state)
+            state["step"] += 1
+            # FSDP2: each rank steps its own shards (plain tensors pass through unchanged).
+            entries.append(backends.ParamStep(
+                *map(distributed.local, (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                                         state.get("max_exp_avg_sq"))),
+                step=state["step"],
+            ))
+        return entries

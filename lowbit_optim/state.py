@@ -21,7 +21,7 @@ Supported aten ops, and what each means here:
 ``_unsafe_view``
 ``equal``               compares format, shape, codes and scales
 ``slice``               a contiguous range (DCP resharding): whole blocks are a view, any
-                        other range a ``lowbit_optim.distributed.QuantizedSlice``
+                        other range a ``lowbit_optim.quantized_slice.QuantizedSlice``
 ``constant_pad_nd``,    run on the dequantized values (DTensor ``full_tensor()`` of a
 ``all_gather_into_      sharded moment gathers its float values)
 tensor``
@@ -32,8 +32,12 @@ tensor``
 import torch
 
 from lowbit_optim.quant.formats import QuantFormat, get_format
+from lowbit_optim.quantized_slice import QuantizedSlice
 
 aten = torch.ops.aten
+
+# The optimizer moments, in torch.optim.AdamW's names; max_exp_avg_sq only with amsgrad.
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class QuantizedState(torch.Tensor):
@@ -152,8 +156,13 @@ class QuantizedState(torch.Tensor):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is None:
+            # Most often met as the first step of torch.optim.AdamW (aten.lerp_) after it
+            # loaded one of our state dicts: say how to convert.
             raise NotImplementedError(
-                f"QuantizedState does not support {func}; call .dequantize() first"
+                f"QuantizedState does not support {func}: it is a lowbit_optim optimizer moment "
+                "stored as codes and scales. Call .dequantize() for its values; to use a "
+                "lowbit_optim state dict with torch.optim.AdamW, convert it first with "
+                "lowbit_optim.checkpoint.to_torch_adamw(state_dict)"
             )
         return handler(*args, **kwargs)
 
@@ -222,7 +231,7 @@ def _slice(state, dim=0, start=None, end=None, step=1):
 
     ``torch.distributed.checkpoint`` narrows saved and target tensors this way when it
     reshards. A range on block boundaries is a view of whole blocks (reads and writes are
-    exact); any other range is a ``QuantizedSlice`` (see ``lowbit_optim.distributed``).
+    exact); any other range is a ``QuantizedSlice`` (see ``lowbit_optim.quantized_slice``).
     """
     shape = list(state.shape)
     dim %= len(shape)
@@ -242,8 +251,6 @@ def _slice(state, dim=0, start=None, end=None, step=1):
     if first % block_size == 0 and (last % block_size == 0 or last == state.numel()):
         rows = slice(first // block_size, -(-last // block_size))
         return state._relabel(codes=state.codes[rows], scales=state.scales[rows], shape=torch.Size(shape))
-    from lowbit_optim.distributed import QuantizedSlice  # imported here: it imports this module
-
     return QuantizedSlice(state, first, last, torch.Size(shape))
 
 
