@@ -106,13 +106,14 @@ class CPUOffloadOptimizer(Optimizer):
         self.transfers: Transfers | None = None
         self._offloaded: dict[torch.Tensor, _Offloaded] = {}  # device param -> its host side
         self._given_groups: list[list[torch.Tensor]] = []  # as given, frozen parameters included
+        self._given_names: list[list[str] | None] = []  # their names, for named_parameters() groups
         self._hooks = []
         prepared = []
         for group in groups:
             prepared.append(self._host_group(group, [item for _, _, new in prepared for item in new]))
         self.host_optimizer = optimizer_class([host_group for host_group, _, _ in prepared], **kwargs)
         for _, given, new in prepared:
-            self._adopt(given, new)
+            self._adopt(*given, new)
 
     # --- what schedulers, Trainer and users read ----------------------------------------
     @property
@@ -134,14 +135,17 @@ class CPUOffloadOptimizer(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         host_group, given, new = self._host_group(param_group)
         self.host_optimizer.add_param_group(host_group)
-        self._adopt(given, new)
+        self._adopt(*given, new)
 
-    def _host_group(self, group: dict, earlier: list[_Offloaded] = ()) -> tuple[dict, list, list[_Offloaded]]:
-        """The host optimizer's group for ``group``, its parameters as given and their new
-        host copies (not live until ``_adopt``, so a group the host optimizer refuses leaves
-        nothing behind). ``earlier``: copies prepared for other groups, not live yet."""
+    def _host_group(self, group: dict, earlier=()) -> tuple[dict, tuple, list[_Offloaded]]:
+        """The host optimizer's group for ``group``, its parameters (and names) as given and
+        their new host copies (not live until ``_adopt``, so a group the host optimizer
+        refuses leaves nothing behind). ``earlier``: copies prepared for other groups."""
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        names = None
+        if params and all(isinstance(item, tuple) and len(item) == 2 for item in params):
+            names, params = [name for name, _ in params], [param for _, param in params]  # named_parameters()
         new = []
         for param in params:
             if not isinstance(param, torch.Tensor) or not param.is_leaf:
@@ -153,7 +157,10 @@ class CPUOffloadOptimizer(Optimizer):
             new.append(self._offload(param))
         host_group = {key: value for key, value in group.items() if key != "params"}
         host_group["params"] = [item.host_param for item in new]
-        return host_group, params, new
+        if names is not None:
+            trained_names = [name for name, param in zip(names, params) if param.requires_grad]
+            host_group["params"] = list(zip(trained_names, host_group["params"], strict=True))
+        return host_group, (params, names), new
 
     def _offload(self, param: torch.Tensor) -> _Offloaded:
         if hasattr(param, "device_mesh"):
@@ -170,9 +177,10 @@ class CPUOffloadOptimizer(Optimizer):
         host_param.copy_(param.detach())
         return _Offloaded(param, host_param, self.transfers.host_empty(param), param._version)
 
-    def _adopt(self, given: list, new: list[_Offloaded]) -> None:
+    def _adopt(self, given: list, names: list[str] | None, new: list[_Offloaded]) -> None:
         """Make host copies live once the host optimizer has accepted their group."""
         self._given_groups.append(given)
+        self._given_names.append(names)
         optimizer_ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
 
         def on_gradient_ready(param):
@@ -313,8 +321,11 @@ class CPUOffloadOptimizer(Optimizer):
         host = self.host_optimizer.state_dict()
         mapping = self._host_index_to_given()
         groups, given_index = [], 0
-        for saved, given in zip(host["param_groups"], self._given_groups, strict=True):
+        for saved, given, names in zip(host["param_groups"], self._given_groups, self._given_names,
+                                       strict=True):
             groups.append({**saved, "params": list(range(given_index, given_index + len(given)))})
+            if names is not None:
+                groups[-1]["param_names"] = list(names)
             given_index += len(given)
         state = {mapping[index]: value for index, value in host["state"].items()}
         state_dict = {"state": state, "param_groups": groups}
@@ -343,6 +354,9 @@ class CPUOffloadOptimizer(Optimizer):
                     host_ids.append(host_index)
                     host_index += 1
             host_groups.append({**saved, "params": host_ids})
+            if "param_names" in saved:
+                host_groups[-1]["param_names"] = [
+                    name for name, param in zip(saved["param_names"], given) if param in self._offloaded]
         state = {saved_to_host[saved_id]: value for saved_id, value in state_dict["state"].items()
                  if saved_id in saved_to_host}
         self.host_optimizer.load_state_dict({"state": state, "param_groups": host_groups})

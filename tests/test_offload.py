@@ -190,6 +190,24 @@ def test_frozen_parameters_are_skipped():
     assert_same_state(plain.state_dict(), offloaded.state_dict())
 
 
+def test_named_parameters_with_a_frozen_one():
+    def frozen_first_bias():
+        model = small_model()
+        model[0].bias.requires_grad_(False)
+        return model
+
+    (plain_model, plain), (offload_model, offloaded) = twins(
+        "AdamW4bit", model_fn=frozen_first_bias, groups=lambda model: model.named_parameters())
+    train([(plain_model, plain, None), (offload_model, offloaded, None)])
+    assert_same_params(plain_model, offload_model)
+    assert "0.bias" not in offloaded.param_groups[0]["param_names"]
+    saved = offloaded.state_dict()
+    assert_same_state(plain.state_dict(), saved)  # param_names included, frozen one too
+    plain.load_state_dict(saved)
+    offloaded.load_state_dict(saved)
+    assert_same_state(plain.state_dict(), offloaded.state_dict())
+
+
 def test_zero_grad_without_set_to_none_and_hand_set_gradients():
     (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit")
     for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
