@@ -252,6 +252,20 @@ def test_resume_from_a_checkpoint_is_bit_exact(route):
     assert_same_state(reference.state_dict(), resumed.state_dict())
 
 
+def test_torch_adamw_checkpoints_convert_both_ways():
+    from lowbit_optim.checkpoint import to_torch_adamw
+
+    torch_model, offload_model = small_model(), small_model()
+    torch_adamw = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
+    offloaded = CPUOffloadOptimizer(offload_model.parameters(), AdamW8bit, lr=1e-2, **LOWBIT)
+    train([(torch_model, torch_adamw, None), (offload_model, offloaded, None)], range(2))
+    offloaded.load_state_dict(torch_adamw.state_dict())  # fp32 moments quantized on the way in
+    assert isinstance(offloaded.state[offloaded.host_param(offload_model[0].weight)]["exp_avg"],
+                      QuantizedState)
+    torch_adamw.load_state_dict(to_torch_adamw(offloaded.state_dict()))
+    assert torch_adamw.state[torch_model[0].weight]["exp_avg"].dtype == torch.float32
+
+
 def test_state_dict_hooks_run():
     _, (_, offloaded) = twins("AdamW8bit")
     calls = []
