@@ -23,7 +23,7 @@ tensors (same hooks, same bookkeeping), which is how the tests check it bit for 
 the optimizer without offload. See docs/offload.md.
 
 Gradients are authoritative on the device (``offload_gradients=False``): a device gradient
-changed after its copy (clipping, unscaling, ``p.grad = ...``) is noticed by its version
+changed after its copy (clipping, zeroing, ``p.grad = ...``) is noticed by its version
 counter and copied again at ``step()``. A device parameter written from outside (for example
 ``model.load_state_dict``) is noticed the same way and its host copy refreshed.
 """
@@ -244,7 +244,7 @@ class CPUOffloadOptimizer(Optimizer):
         else:
             copied = item.copied_grad() if item.copied_grad is not None else None
             if copied is not grad or item.copied_version != grad._version:
-                self._gradient_ready(item)  # changed after its copy: clipped, unscaled, assigned
+                self._gradient_ready(item)  # changed after its copy: clipped, zeroed, assigned
             item.host_param.grad = item.host_grad
         self._land(item)
 
