@@ -2,6 +2,7 @@
 
 from lowbit_optim.adamw import AdamW4bit, AdamW8bit
 from lowbit_optim.memory import state_bytes
+from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
 from lowbit_optim.quant.formats import FORMATS, QuantFormat
 from lowbit_optim.state import QuantizedState
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdamW4bit",
     "AdamW8bit",
+    "CPUOffloadOptimizer",
     "FORMATS",
     "LowBitAdamW",
     "QuantFormat",

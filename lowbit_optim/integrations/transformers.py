@@ -4,6 +4,10 @@
     register()
     args = TrainingArguments(..., optim="lowbit_adamw_4bit", optim_args="block_size=128")
 
+``optim="lowbit_adamw_8bit_offload"`` / ``"lowbit_adamw_4bit_offload"`` train with the state and
+the step on the host (``CPUOffloadOptimizer``, docs/offload.md); their ``optim_args`` also take
+``offload_gradients=true``.
+
 transformers has no public registry of optimizer names. ``TrainingArguments`` converts
 ``optim`` into a member of the ``OptimizerNames`` enum (an unknown string raises), and
 ``Trainer.get_optimizer_cls_and_kwargs`` looks that member up in the handler table
@@ -27,12 +31,19 @@ routes that need no registration (``Trainer(optimizer_cls_and_kwargs=...)``).
 import enum
 
 from lowbit_optim.adamw import AdamW4bit, AdamW8bit
+from lowbit_optim.offload import CPUOffloadOptimizer
 
 # optim name -> optimizer class. Names carry the "lowbit_" prefix: transformers already uses
 # "adamw_8bit" (bitsandbytes) and "adamw_torch_4bit" (torchao).
 OPTIMIZERS = {
     "lowbit_adamw_8bit": AdamW8bit,
     "lowbit_adamw_4bit": AdamW4bit,
+}
+
+# optim name -> the optimizer class that CPUOffloadOptimizer steps on the host.
+OFFLOAD_OPTIMIZERS = {
+    "lowbit_adamw_8bit_offload": AdamW8bit,
+    "lowbit_adamw_4bit_offload": AdamW4bit,
 }
 
 _TRUE = ("true", "1", "yes")
@@ -64,9 +75,11 @@ OPTIM_ARGS = {
     "amsgrad": ("a bool (true/false)", _parse_bool),
     "backend": ('"compile", "eager" or "none"', _parse_backend),
 }
+OFFLOAD_OPTIM_ARGS = {**OPTIM_ARGS, "offload_gradients": ("a bool (true/false)", _parse_bool)}
 
 
-def parse_optim_args(optim_args: dict[str, str], optim: str = "lowbit optimizer") -> dict:
+def parse_optim_args(optim_args: dict[str, str], optim: str = "lowbit optimizer", *,
+                     supported: dict = OPTIM_ARGS) -> dict:
     """Typed constructor kwargs from transformers' ``{key: string}`` parse of ``optim_args``.
 
     Raises ``ValueError`` naming the offending key (and value). Range checks (a block size
@@ -74,12 +87,12 @@ def parse_optim_args(optim_args: dict[str, str], optim: str = "lowbit optimizer"
     """
     kwargs = {}
     for key, value in optim_args.items():
-        if key not in OPTIM_ARGS:
+        if key not in supported:
             raise ValueError(
                 f"Unknown optim_args key {key!r} for optim={optim!r}; supported keys: "
-                f"{', '.join(OPTIM_ARGS)}"
+                f"{', '.join(supported)}"
             )
-        expected, parse = OPTIM_ARGS[key]
+        expected, parse = supported[key]
         try:
             kwargs[key] = parse(value)
         except ValueError as error:
@@ -89,15 +102,21 @@ def parse_optim_args(optim_args: dict[str, str], optim: str = "lowbit optimizer"
     return kwargs
 
 
+def _training_arguments_kwargs(ctx) -> dict:
+    """lr, betas, eps and weight_decay as ``TrainingArguments`` gives them."""
+    kwargs = dict(ctx.optimizer_kwargs)  # {"lr": args.learning_rate}
+    kwargs.update(ctx.adam_kwargs)  # betas, eps
+    # Trainer's two param groups set their own weight_decay (args.weight_decay / 0.0);
+    # this default serves callers that pass plain parameters.
+    kwargs["weight_decay"] = ctx.args.weight_decay
+    return kwargs
+
+
 def _make_handler(optimizer_cls):
     def handler(ctx):
         """transformers' handler protocol: ``OptimizerContext -> (class, kwargs)``."""
         optim = getattr(ctx.args.optim, "value", ctx.args.optim)
-        kwargs = dict(ctx.optimizer_kwargs)  # {"lr": args.learning_rate}
-        kwargs.update(ctx.adam_kwargs)  # betas, eps
-        # Trainer's two param groups set their own weight_decay (args.weight_decay / 0.0);
-        # this default serves callers that pass plain parameters.
-        kwargs["weight_decay"] = ctx.args.weight_decay
+        kwargs = _training_arguments_kwargs(ctx)
         kwargs.update(parse_optim_args(ctx.optim_args, optim))
         return optimizer_cls, kwargs
 
@@ -106,8 +125,29 @@ def _make_handler(optimizer_cls):
     return handler
 
 
+def _make_offload_handler(optimizer_cls):
+    def handler(ctx):
+        """As the plain handler, with ``CPUOffloadOptimizer`` stepping ``optimizer_cls``."""
+        optim = getattr(ctx.args.optim, "value", ctx.args.optim)
+        kwargs = _training_arguments_kwargs(ctx)
+        kwargs.update(parse_optim_args(ctx.optim_args, optim, supported=OFFLOAD_OPTIM_ARGS))
+        if kwargs.get("offload_gradients") and ctx.args.max_grad_norm > 0:
+            # Trainer clips model.parameters()' gradients, which offload_gradients frees.
+            raise ValueError(
+                f"optim={optim!r} with offload_gradients=true needs max_grad_norm=0: Trainer "
+                "clips the device gradients, which are freed once copied to the host"
+            )
+        return CPUOffloadOptimizer, {"optimizer_class": optimizer_cls, **kwargs}
+
+    handler.__name__ = handler.__qualname__ = f"lowbit_optim_offload_{optimizer_cls.__name__}_handler"
+    handler.lowbit_optim_handler = True
+    return handler
+
+
 # Built once, so that a repeated register() puts back the very same functions.
 _HANDLERS = {name: _make_handler(optimizer_cls) for name, optimizer_cls in OPTIMIZERS.items()}
+_HANDLERS.update({name: _make_offload_handler(optimizer_cls)
+                  for name, optimizer_cls in OFFLOAD_OPTIMIZERS.items()})
 
 
 def _transformers_parts():
@@ -164,11 +204,12 @@ def _add_member(enum_cls, name: str, value: str):
 
 def register() -> tuple[str, ...]:
     """Make ``TrainingArguments(optim=...)`` accept ``"lowbit_adamw_8bit"`` and
-    ``"lowbit_adamw_4bit"``. Idempotent; imports transformers. Call it before building
-    ``TrainingArguments`` or an ``HfArgumentParser`` (the parser reads its ``--optim``
-    choices when it is built). Returns the registered names."""
+    ``"lowbit_adamw_4bit"``, and their ``_offload`` variants (``OFFLOAD_OPTIMIZERS``).
+    Idempotent; imports transformers. Call it before building ``TrainingArguments`` or an
+    ``HfArgumentParser`` (the parser reads its ``--optim`` choices when it is built). Returns
+    the names of ``OPTIMIZERS``; those of ``OFFLOAD_OPTIMIZERS`` are registered with them."""
     optimizer_names, handlers = _transformers_parts()
-    for value in OPTIMIZERS:
+    for value in (*OPTIMIZERS, *OFFLOAD_OPTIMIZERS):
         existing = optimizer_names._value2member_map_.get(value)
         if existing is not None and existing in handlers and not getattr(
             handlers[existing], "lowbit_optim_handler", False

@@ -1,0 +1,449 @@
+"""CPUOffloadOptimizer (issue 18): the offloaded optimizer steps exactly like the same optimizer
+without offload.
+
+Without a GPU the "device" is the CPU: parameters and gradients still travel between distinct
+tensors through the real hooks and bookkeeping, so each user pattern below is compared with
+the plain optimizer on an identical model, bit for bit (same process, same threads, hence the
+same gradients). The ``cuda`` tests check the real device path when a GPU is present.
+"""
+
+import copy
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lowbit_optim import AdamW4bit, AdamW8bit, CPUOffloadOptimizer, QuantizedState
+
+STEPS = 4
+# min_quant_size=1024 quantizes both weight matrices of the model below (4096 elements).
+LOWBIT = dict(min_quant_size=1024, backend="eager")
+OPTIMIZERS = {
+    "AdamW4bit": (AdamW4bit, LOWBIT),
+    "AdamW8bit": (AdamW8bit, LOWBIT),
+    "torch_AdamW": (torch.optim.AdamW, dict(fused=True)),
+}
+
+
+def small_model(device="cpu"):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 64),
+    ).to(device)
+
+
+def batch(step, micro=0, device="cpu"):
+    generator = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(8, 64, generator=generator).to(device)
+
+
+def backward(model, step, micro=0):
+    model(batch(step, micro, next(model.parameters()).device)).square().mean().backward()
+
+
+def twins(name="AdamW4bit", *, model_fn=small_model, groups=None, offload_gradients=False, **extra):
+    """The same model twice: one stepped by the plain optimizer, one by the offloaded one."""
+    optimizer_class, kwargs = OPTIMIZERS[name]
+    kwargs = {"lr": 1e-2, **kwargs, **extra}
+    plain_model, offload_model = model_fn(), model_fn()
+    params = groups or (lambda model: model.parameters())
+    plain = optimizer_class(params(plain_model), **kwargs)
+    offloaded = CPUOffloadOptimizer(params(offload_model), optimizer_class,
+                                    offload_gradients=offload_gradients, **kwargs)
+    return (plain_model, plain), (offload_model, offloaded)
+
+
+def assert_same_params(model_a, model_b):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+
+
+def assert_same_state(state_dict_a, state_dict_b):
+    assert state_dict_a["param_groups"] == state_dict_b["param_groups"]
+    assert state_dict_a["state"].keys() == state_dict_b["state"].keys()
+    for index, state in state_dict_a["state"].items():
+        for key, value in state.items():
+            other = state_dict_b["state"][index][key]
+            assert type(value) is type(other) and torch.equal(value, other), (index, key)
+
+
+def train(pairs, steps=range(STEPS), *, clip=None, micro_batches=1):
+    for step in steps:
+        for model, optimizer, scheduler in pairs:
+            for micro in range(micro_batches):
+                backward(model, step, micro)
+            if clip == "device":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            elif clip == "helper":
+                clipper = optimizer if isinstance(optimizer, CPUOffloadOptimizer) else None
+                if clipper is None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                else:
+                    clipper.clip_grad_norm_(0.05)
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+
+
+# --- the training loop ------------------------------------------------------------------
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_training_loop_with_scheduler_matches_the_optimizer_without_offload(name):
+    (plain_model, plain), (offload_model, offloaded) = twins(name)
+    pairs = [(model, optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.02, total_steps=10))
+             for model, optimizer in ((plain_model, plain), (offload_model, offloaded))]
+    train(pairs)
+    assert_same_params(plain_model, offload_model)
+    assert_same_state(plain.state_dict(), offloaded.state_dict())
+    # The scheduler wrote into the host optimizer's groups, the ones the host step reads.
+    assert offloaded.param_groups is offloaded.host_optimizer.param_groups
+    assert float(offloaded.param_groups[0]["lr"]) == float(plain.param_groups[0]["lr"])
+
+
+def test_state_lives_on_the_host_in_our_formats():
+    _, (model, offloaded) = twins("AdamW4bit")
+    train([(model, offloaded, None)], range(1))
+    weight = model[0].weight
+    host = offloaded.host_param(weight)
+    assert host is not weight and host.data_ptr() != weight.data_ptr()
+    state = offloaded.state[host]
+    assert isinstance(state["exp_avg"], QuantizedState) and state["exp_avg"].device.type == "cpu"
+    assert weight not in offloaded.state
+
+
+def test_param_groups_with_their_own_hyperparameters():
+    def groups(model):
+        return [{"params": list(model[0].parameters()), "lr": 3e-2, "weight_decay": 0.0},
+                {"params": list(model[2].parameters()) + list(model[3].parameters())}]
+
+    (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit", groups=groups)
+    train([(plain_model, plain, None), (offload_model, offloaded, None)])
+    assert_same_params(plain_model, offload_model)
+    assert [group["weight_decay"] for group in offloaded.param_groups] == [0.0, 1e-2]
+
+
+def test_add_param_group_and_step_hooks():
+    (plain_model, plain), (offload_model, offloaded) = twins(
+        "AdamW8bit", groups=lambda model: list(model[0].parameters()))
+    steps_seen = []
+    offloaded.register_step_post_hook(lambda optimizer, args, kwargs: steps_seen.append(optimizer))
+    for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
+        optimizer.add_param_group({"params": list(model[3].parameters()), "lr": 5e-3})
+    train([(plain_model, plain, None), (offload_model, offloaded, None)])
+    assert_same_params(plain_model, offload_model)
+    assert steps_seen == [offloaded] * STEPS
+    assert offloaded.param_groups[1]["params"][0] is offloaded.host_param(offload_model[3].weight)
+
+
+@pytest.mark.parametrize("clip", ["device", "helper"])
+def test_gradient_clipping(clip):
+    # "device": torch.nn.utils.clip_grad_norm_(model.parameters()) after the hooks copied the
+    # gradients (the version counters send the clipped ones again); "helper": the optimizer's.
+    (plain_model, plain), (offload_model, offloaded) = twins("AdamW4bit")
+    train([(plain_model, plain, None), (offload_model, offloaded, None)], clip=clip)
+    assert_same_params(plain_model, offload_model)
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads_on_device", "offload_gradients"])
+def test_gradient_accumulation_over_micro_batches(offload_gradients):
+    (plain_model, plain), (offload_model, offloaded) = twins(
+        "AdamW4bit", offload_gradients=offload_gradients)
+    train([(plain_model, plain, None), (offload_model, offloaded, None)], micro_batches=3,
+          clip="helper" if offload_gradients else "device")
+    assert_same_params(plain_model, offload_model)
+
+
+def test_offload_gradients_frees_device_gradients_as_backward_goes():
+    (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit", offload_gradients=True)
+    freed_during_backward = []
+    last_layer = offload_model[3].weight
+    # The first layer's gradient comes last: by then the last layer's must be gone already.
+    offload_model[0].weight.register_post_accumulate_grad_hook(
+        lambda param: freed_during_backward.append(last_layer.grad is None))
+    backward(offload_model, 0)
+    assert freed_during_backward == [True]
+    assert all(param.grad is None for param in offload_model.parameters())
+    offloaded.step()
+    backward(plain_model, 0)
+    plain.step()
+    assert_same_params(plain_model, offload_model)
+
+
+def test_frozen_parameters_are_skipped():
+    def frozen_first_layer():
+        model = small_model()
+        model[0].requires_grad_(False)
+        return model
+
+    (plain_model, plain), (offload_model, offloaded) = twins("AdamW4bit", model_fn=frozen_first_layer)
+    train([(plain_model, plain, None), (offload_model, offloaded, None)])
+    assert_same_params(plain_model, offload_model)
+    assert len(offloaded.param_groups[0]["params"]) == 4  # no host copy of the frozen two
+    # Numbered as the parameters given, frozen ones included: the plain optimizer's numbers.
+    assert_same_state(plain.state_dict(), offloaded.state_dict())
+
+
+def test_named_parameters_with_a_frozen_one():
+    def frozen_first_bias():
+        model = small_model()
+        model[0].bias.requires_grad_(False)
+        return model
+
+    (plain_model, plain), (offload_model, offloaded) = twins(
+        "AdamW4bit", model_fn=frozen_first_bias, groups=lambda model: model.named_parameters())
+    train([(plain_model, plain, None), (offload_model, offloaded, None)])
+    assert_same_params(plain_model, offload_model)
+    assert "0.bias" not in offloaded.param_groups[0]["param_names"]
+    saved = offloaded.state_dict()
+    assert_same_state(plain.state_dict(), saved)  # param_names included, frozen one too
+    plain.load_state_dict(saved)
+    offloaded.load_state_dict(saved)
+    assert_same_state(plain.state_dict(), offloaded.state_dict())
+
+
+def test_zero_grad_without_set_to_none_and_hand_set_gradients():
+    (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit")
+    for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
+        backward(model, 0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        backward(model, 1)
+        model[3].bias.grad = torch.full_like(model[3].bias, 0.5)  # no hook sees this one
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        optimizer.step()  # zero gradients still step: momentum and weight decay
+    assert_same_params(plain_model, offload_model)
+
+
+def test_device_weights_loaded_after_the_optimizer_was_built():
+    (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit")
+    weights = {key: value + 0.5 for key, value in small_model().state_dict().items()}
+    for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
+        model.load_state_dict(weights)
+        train([(model, optimizer, None)], range(2))
+    assert_same_params(plain_model, offload_model)
+
+
+# --- checkpoints ------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["offloaded_to_offloaded", "offloaded_to_plain", "plain_to_offloaded"])
+def test_resume_from_a_checkpoint_is_bit_exact(route):
+    (reference_model, reference), (model, optimizer) = twins("AdamW4bit")
+    train([(reference_model, reference, None)])  # uninterrupted
+    first = optimizer if route.startswith("offloaded") else AdamW4bit(model.parameters(), lr=1e-2, **LOWBIT)
+    train([(model, first, None)], range(STEPS // 2))
+    saved_weights, saved_state = copy.deepcopy(model.state_dict()), copy.deepcopy(first.state_dict())
+
+    resumed_model = small_model()
+    resumed_model.load_state_dict(saved_weights)
+    if route.endswith("to_plain"):
+        resumed = AdamW4bit(resumed_model.parameters(), lr=1e-2, **LOWBIT)
+    else:
+        resumed = CPUOffloadOptimizer(resumed_model.parameters(), AdamW4bit, lr=1e-2, **LOWBIT)
+    resumed.load_state_dict(saved_state)
+    train([(resumed_model, resumed, None)], range(STEPS // 2, STEPS))
+    assert_same_params(reference_model, resumed_model)
+    assert_same_state(reference.state_dict(), resumed.state_dict())
+
+
+def test_torch_adamw_checkpoints_convert_both_ways():
+    from lowbit_optim.checkpoint import to_torch_adamw
+
+    torch_model, offload_model = small_model(), small_model()
+    torch_adamw = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
+    offloaded = CPUOffloadOptimizer(offload_model.parameters(), AdamW8bit, lr=1e-2, **LOWBIT)
+    train([(torch_model, torch_adamw, None), (offload_model, offloaded, None)], range(2))
+    offloaded.load_state_dict(torch_adamw.state_dict())  # fp32 moments quantized on the way in
+    assert isinstance(offloaded.state[offloaded.host_param(offload_model[0].weight)]["exp_avg"],
+                      QuantizedState)
+    torch_adamw.load_state_dict(to_torch_adamw(offloaded.state_dict()))
+    assert torch_adamw.state[torch_model[0].weight]["exp_avg"].dtype == torch.float32
+
+
+def test_state_dict_hooks_run():
+    _, (_, offloaded) = twins("AdamW8bit")
+    calls = []
+    offloaded.register_state_dict_post_hook(lambda optimizer, state_dict: calls.append("saved"))
+    offloaded.register_load_state_dict_post_hook(lambda optimizer: calls.append("loaded"))
+    offloaded.load_state_dict(offloaded.state_dict())
+    assert calls == ["saved", "loaded"]
+
+
+def test_a_state_dict_that_does_not_fit_is_refused():
+    _, (_, offloaded) = twins("AdamW8bit")
+    saved = offloaded.state_dict()
+    saved["param_groups"][0]["params"].pop()
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        offloaded.load_state_dict(saved)
+
+
+# --- construction -----------------------------------------------------------------------
+def test_construction_errors_are_clear():
+    model = small_model()
+    with pytest.raises(TypeError, match="minimal_size"):
+        CPUOffloadOptimizer(model.parameters(), AdamW8bit, minimal_size=4096)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        CPUOffloadOptimizer([{"params": model[0].parameters()}, {"params": model[0].parameters()}])
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        CPUOffloadOptimizer(model.parameters(), AdamW8bit, lr=-1.0)
+
+
+def test_hooks_do_not_keep_a_dropped_optimizer_alive():
+    model = small_model()
+    optimizer = CPUOffloadOptimizer(model.parameters(), AdamW8bit, offload_gradients=True)
+    del optimizer
+    backward(model, 0)  # the removed hooks neither copy nor free
+    assert all(param.grad is not None for param in model.parameters())
+
+
+# --- Hugging Face Trainer ---------------------------------------------------------------
+def test_trainer_with_the_offload_optim_name_matches_the_plain_one(tmp_path):
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from lowbit_optim.integrations.transformers import register
+
+    register()
+
+    def run(optim):
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1,
+                                         n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        rows = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / optim), optim=optim, max_steps=3, learning_rate=3e-3,
+            per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5,
+            lr_scheduler_type="cosine", optim_args="min_quant_size=1024,backend=eager",
+            report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+        trainer = transformers.Trainer(model=model, args=args,
+                                       train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+        trainer.train()
+        return trainer
+
+    plain, offloaded = run("lowbit_adamw_8bit"), run("lowbit_adamw_8bit_offload")
+    inner = offloaded.optimizer.optimizer  # accelerate's wrapper around ours
+    assert type(inner) is CPUOffloadOptimizer and type(inner.host_optimizer) is AdamW8bit
+    assert len(inner.param_groups) == 2  # Trainer's decay / no-decay groups
+    assert_same_params(plain.model, offloaded.model)
+
+
+def test_trainer_refuses_offload_gradients_with_clipping(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lowbit_optim.integrations.transformers import register
+
+    register()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), optim="lowbit_adamw_4bit_offload", report_to="none",
+        use_cpu=True, optim_args="offload_gradients=true")
+    with pytest.raises(ValueError, match="needs max_grad_norm=0"):
+        transformers.Trainer.get_optimizer_cls_and_kwargs(args)
+    args.max_grad_norm = 0.0
+    optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
+    assert optimizer_cls is CPUOffloadOptimizer
+    assert kwargs["optimizer_class"] is AdamW4bit and kwargs["offload_gradients"] is True
+
+
+# --- FSDP2's own CPU offload -------------------------------------------------------------
+FSDP2_CPU_OFFLOAD = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from lowbit_optim import AdamW4bit
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    sharded, plain = model(), model()
+    policy = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
+    for module in (sharded[0], sharded[2], sharded):
+        fully_shard(module, offload_policy=policy)
+    optimizers = [AdamW4bit(m.parameters(), lr=1e-2, min_quant_size=1024, backend="eager")
+                  for m in (sharded, plain)]
+    for step in range(3):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        for m, optimizer in zip((sharded, plain), optimizers):
+            m(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(sharded.parameters(), plain.parameters()):
+        assert torch.equal(a.full_tensor(), b)
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_cpu_offload_policy_with_our_optimizer():
+    # A process of its own: the process group must not leak into other tests.
+    env = {**os.environ, "PORT": str(random.randint(20000, 40000))}
+    subprocess.run([sys.executable, "-c", FSDP2_CPU_OFFLOAD], check=True, env=env, timeout=120)
+
+
+# --- the GPU check's overlap measure ----------------------------------------------------------
+def test_gpu_check_reads_copy_overlap_from_a_profiler_trace(tmp_path):
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_offload_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_offload_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "gemm", "ts": 5, "dur": 10},  # overlapping kernels count once
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 10, "dur": 10},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 0, "dur": 30},
+    ]}))
+    assert check.copy_overlap(trace) == 0.5
+
+
+# --- the real device path ---------------------------------------------------------------
+def exact_gradient_model(device):
+    """loss = sum(weight * c): the gradient is exactly c on any device, so the host step sees
+    the same bits as a CPU run and the results can be compared exactly."""
+    torch.manual_seed(0)
+    return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(128, 96)),
+                                   torch.nn.Parameter(torch.randn(96))]).to(device)
+
+
+def exact_backward(params, step):
+    for index, param in enumerate(params):
+        coefficient = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * step + index))
+        (param * coefficient.to(param.device)).sum().backward()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads_on_device", "offload_gradients"])
+def test_cuda_training_matches_the_cpu_offload_bit_for_bit(offload_gradients):
+    runs = {}
+    for device in ("cuda", "cpu"):
+        params = exact_gradient_model(device)
+        optimizer = CPUOffloadOptimizer(params, AdamW4bit, offload_gradients=offload_gradients,
+                                        lr=1e-2, **LOWBIT)
+        for step in range(STEPS):
+            exact_backward(params, step)
+            exact_backward(params, step + 100)  # a second micro-batch
+            if offload_gradients:
+                assert all(param.grad is None for param in params)
+            optimizer.step()
+            optimizer.zero_grad()
+        runs[device] = [param.detach().cpu() for param in params]
+    for cuda_param, cpu_param in zip(runs["cuda"], runs["cpu"]):
+        assert torch.equal(cuda_param, cpu_param)
+
+
+@pytest.mark.cuda
+def test_cuda_state_and_buffers_stay_off_the_device():
+    params = exact_gradient_model("cuda")
+    before = torch.cuda.memory_allocated()
+    optimizer = CPUOffloadOptimizer(params, AdamW8bit, lr=1e-2, **LOWBIT)
+    exact_backward(params, 0)
+    optimizer.step()
+    torch.cuda.synchronize()
+    gradients = sum(param.grad.nbytes for param in params)
+    assert torch.cuda.memory_allocated() - before <= gradients + 4096
+    host = optimizer.host_param(params[0])
+    assert host.is_pinned() and optimizer.state[host]["exp_avg"].device.type == "cpu"
