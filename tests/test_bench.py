@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import matplotlib.image
 import pytest
@@ -12,7 +13,13 @@ from lowbit_optim.bench import harness
 from lowbit_optim.bench.__main__ import DEFAULT_OPTIMIZERS, PRESETS, main
 from lowbit_optim.bench.data import batch_offsets, get_batch, load_corpus
 from lowbit_optim.bench.model import ByteGPT
-from lowbit_optim.bench.train import Evaluator, TrainConfig, warmup_cosine
+from lowbit_optim.bench.train import (
+    Evaluator,
+    TrainConfig,
+    cpu_step_peak_bytes,
+    warmup_cosine,
+    without_kineto_markers,
+)
 
 UNIFORM_LOSS = math.log(256)  # a model that has learned nothing about bytes
 
@@ -193,3 +200,26 @@ def test_gpu_preset_is_large_and_its_state_keeps_the_promised_saving():
     # biases and norms (0.14% of the parameters) keep fp32 state, giving 3.92x and 7.46x.
     assert fp32 / expected_state_bytes(model, AdamW8bit) > 3.9
     assert fp32 / expected_state_bytes(model, AdamW4bit) > 7.4
+
+
+def test_peak_memory_profiling_keeps_stderr_clean(capfd):
+    """The profiler behind the CPU peak memory writes kineto's ``USDT: ... profiler_start`` and
+    ``profiler_stop`` lines to stderr (fd 2) unless they are filtered; nothing else is lost."""
+    model = torch.nn.Linear(64, 32)
+    optimizer = AdamW8bit(model.parameters(), backend="eager")
+
+    def train_step():
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_step()
+    capfd.readouterr()
+    peak = cpu_step_peak_bytes(train_step, model, optimizer)
+    assert peak >= 2 * sum(p.nbytes for p in model.parameters())
+    assert "USDT" not in capfd.readouterr().err
+    # The filter keeps whatever else reaches fd 2 while it is active, in order.
+    with without_kineto_markers():
+        os.write(2, b"first line\nUSDT:2026 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"ERROR: a real error\n")
+    assert capfd.readouterr().err == "first line\nERROR: a real error\n"
