@@ -17,7 +17,7 @@ import torch
 
 from lowbit_optim import AdamW4bit, AdamW8bit, backends, state_bytes
 from lowbit_optim.bench import harness
-from lowbit_optim.memory import allocation_peak_bytes
+from lowbit_optim.profiling import allocation_peak_bytes
 
 OPTIMIZERS = {"ours_8bit": AdamW8bit, "ours_4bit": AdamW4bit}
 

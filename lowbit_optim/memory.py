@@ -34,19 +34,3 @@ def state_bytes(optimizer: torch.optim.Optimizer, *, include_step: bool = False)
             total += tensor_state_bytes(value)
     return total
 
-
-def allocation_peak_bytes(fn) -> int:
-    """The highest point, above what was live before, of the CPU allocations made while
-    ``fn()`` runs: the transient memory of a step (the tensors it frees again included),
-    recorded by the profiler's allocator hooks."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    running = highest = 0
-    for event in events:
-        running += event.nbytes()
-        highest = max(highest, running)
-    return highest

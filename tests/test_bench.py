@@ -18,8 +18,8 @@ from lowbit_optim.bench.train import (
     TrainConfig,
     cpu_step_peak_bytes,
     warmup_cosine,
-    without_kineto_markers,
 )
+from lowbit_optim.profiling import without_kineto_markers
 
 UNIFORM_LOSS = math.log(256)  # a model that has learned nothing about bytes
 

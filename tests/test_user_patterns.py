@@ -12,12 +12,13 @@ import pickle
 
 import pytest
 import torch
+from test_schedules import SCHEDULES
 from torch._dynamo.utils import counters
 from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamW4bit, AdamW8bit, backends, state_bytes
 from lowbit_optim.checkpoint import to_torch_adamw
-from lowbit_optim.memory import allocation_peak_bytes
+from lowbit_optim.profiling import allocation_peak_bytes
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit]
 
@@ -107,6 +108,33 @@ def test_tutorial_compiled_step_with_lr_scheduler(cls, lr_kind):
 def test_tutorial_compiled_step_with_a_schedule_that_changes_betas():
     used_lrs, _, _, new_graphs = run_tutorial(AdamW4bit, 0.01, "OneCycleLR", compiled=True, calls=10)
     assert len(set(used_lrs)) == 10 and new_graphs == 0
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_compiled_step_with_every_scheduler_and_a_float_lr(name):
+    """``opt.step(); sched.step()`` under torch.compile, a float LR, every scheduler of the
+    schedule tests: nothing compiles after the first call and the LR really moves."""
+    model = tutorial_model()
+    opt = AdamW4bit(model.parameters(), lr=0.01)
+    sched = SCHEDULES[name](opt)
+    plateau = isinstance(sched, lr_scheduler.ReduceLROnPlateau)
+
+    @torch.compile
+    def fn():
+        opt.step()
+        if plateau:
+            sched.step(1.0)  # a flat loss: the LR drops every step
+        else:
+            sched.step()
+
+    fn()
+    graphs = counters["stats"]["unique_graphs"]
+    lrs = set()
+    for _ in range(12):
+        fn()
+        lrs.add(opt.param_groups[0]["lr"])
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert len(lrs) >= 4 and all(type(lr) is float for lr in lrs)
 
 
 def test_tutorial_with_fullgraph_true_says_why_it_cannot():

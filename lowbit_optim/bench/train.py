@@ -17,12 +17,8 @@ What is measured and how:
   hundreds of MB and hide a few MB of optimizer state.
 """
 
-import contextlib
 import functools
 import math
-import os
-import sys
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +28,7 @@ from lowbit_optim import state_bytes
 from lowbit_optim.bench import harness
 from lowbit_optim.bench.data import Corpus, batch_offsets, get_batch
 from lowbit_optim.bench.model import ByteGPT, ModelConfig
+from lowbit_optim.profiling import allocation_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -96,65 +93,9 @@ def live_model_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return sum(t.nbytes for t in tensors + grads) + state_bytes(optimizer, include_step=True)
 
 
-# Kineto, the profiler's C++ backend, writes a "USDT:<time> <pid>:<tid>
-# SyncActivityProfilerHandler.cpp:52] profiler_start" line (and one for profiler_stop) to
-# stderr at every start and stop, which landed between the progress bar and the table. They
-# are logged at a level above ERROR, so KINETO_LOG_LEVEL cannot hide them without hiding
-# errors; instead stderr is captured at the file-descriptor level around the start and the
-# stop only, and everything else written there is passed on.
-KINETO_MARKER = "USDT:"
-
-
-@contextlib.contextmanager
-def without_kineto_markers():
-    """Drop kineto's ``USDT:`` lines from what is written to stderr (fd 2) inside the block."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
-            kept = "".join(line for line in lines if not line.startswith(KINETO_MARKER))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def quiet_profile(**options):
-    """``torch.profiler.profile(**options)`` without kineto's start and stop markers."""
-    from torch.profiler import profile
-
-    prof = profile(**options)
-    with without_kineto_markers():
-        prof.__enter__()
-    try:
-        yield prof
-    finally:
-        with without_kineto_markers():
-            prof.__exit__(None, None, None)
-
-
 def cpu_step_peak_bytes(train_step, model, optimizer) -> int:
     """Peak tensor bytes during one ``train_step()`` on CPU (see the module docstring)."""
-    from torch.profiler import ProfilerActivity
-
-    before = live_model_bytes(model, optimizer)
-    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        train_step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    running = highest = 0
-    for event in events:
-        running += event.nbytes()
-        highest = max(highest, running)
-    return before + highest
+    return live_model_bytes(model, optimizer) + allocation_peak_bytes(train_step)
 
 
 def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
