@@ -21,6 +21,12 @@ MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
 
 
+def capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never before CUDA is initialised;
+    the query itself fails on a build without CUDA)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class LowBitAdamW(Optimizer):
     """AdamW with blockwise-quantized moments. Subclasses set the two formats."""
 
@@ -170,6 +176,18 @@ class LowBitAdamW(Optimizer):
                         "gradient must match its parameter's dtype"
                     )
 
+    def _refuse_graph_capture(self) -> None:
+        """A CUDA graph would replay this step with the LR, bias corrections and rounding
+        noise of the step it captured: they are read on the host (from 0-d CPU tensors) at
+        launch. Refused rather than replayed silently wrong (issue 17)."""
+        if capturing_cuda_graph():
+            raise RuntimeError(
+                f"{type(self).__name__}.step() cannot be captured in a CUDA graph: it reads the "
+                "learning rate, betas and step count on the host at every launch, so a replay "
+                "would repeat the captured values. Run it outside the captured region (with "
+                "torch.compile(mode='reduce-overhead') it already is: the step is a graph break)"
+            )
+
     def _scalars(self, index: int) -> GroupScalars:
         while len(self._group_scalars) <= index:
             self._group_scalars.append(GroupScalars())
@@ -197,6 +215,7 @@ class LowBitAdamW(Optimizer):
                "opt.step() outside the compiled function (docs/usage.md)"
     )
     def _step(self) -> None:
+        self._refuse_graph_capture()
         self._check_grads()
         scalars = [self._scalars(i) for i in range(len(self.param_groups))]
         for group_scalars, group in zip(scalars, self.param_groups):

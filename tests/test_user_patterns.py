@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamW4bit, AdamW8bit, backends, state_bytes
+from lowbit_optim import optimizer as optimizer_module
 from lowbit_optim.checkpoint import to_torch_adamw
 from lowbit_optim.profiling import allocation_peak_bytes
 
@@ -349,3 +350,33 @@ def test_lr_reads_back_as_written():
     assert optimizer.param_groups[1]["lr"] is user_tensor
     fresh = AdamW8bit([torch.nn.Parameter(torch.randn(5000))], lr=3e-4)
     assert fresh.param_groups[0]["lr"] == 3e-4, "3e-4, not 0.0003000000142492354"
+
+
+# --- CUDA graphs -----------------------------------------------------------------------------------
+def test_step_inside_cuda_graph_capture_is_refused(monkeypatch):
+    """No GPU here: the capture query is stubbed. A step during capture raises before
+    anything changes, instead of being recorded with this step's host-side scalars."""
+    param = torch.nn.Parameter(torch.randn(5000))
+    optimizer = AdamW8bit([param])
+    param.grad = torch.randn(5000)
+    before = param.detach().clone()
+    monkeypatch.setattr(optimizer_module, "capturing_cuda_graph", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        optimizer.step()
+    assert torch.equal(param, before) and not optimizer.state
+    monkeypatch.setattr(optimizer_module, "capturing_cuda_graph", lambda: False)
+    optimizer.step()
+    assert not torch.equal(param, before)
+
+
+@pytest.mark.cuda
+def test_step_inside_a_real_cuda_graph_capture_is_refused():
+    param = torch.nn.Parameter(torch.randn(5000, device="cuda"))
+    optimizer = AdamW8bit([param])
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(graph):
+            optimizer.step()
