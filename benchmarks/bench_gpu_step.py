@@ -6,7 +6,8 @@ device's measured copy bandwidth, kernel launches per step and host-to-device co
 (torch.profiler), and peak memory. Prints a markdown table; writes JSON rows (with versions
 and hardware) to $OUT/bench_gpu_step.json when OUT is set.
 
-    python benchmarks/bench_gpu_step.py [--layers 18] [--dtype float32] [--steps 10]
+    python benchmarks/bench_gpu_step.py [--preset llama1b|embedding|group] [--layers 18]
+                                        [--dtype float32] [--steps 10] [--json PATH]
 """
 
 import argparse
@@ -32,6 +33,18 @@ def llama_shapes(layers: int) -> list[tuple[int, ...]]:
         shapes += [(HIDDEN, HIDDEN)] * 4 + [(INTERMEDIATE, HIDDEN)] * 2 + [(HIDDEN, INTERMEDIATE)]
         shapes += [(HIDDEN,)] * 2  # norms: below min_quant_size, float32 state
     return shapes + [(HIDDEN,), (VOCAB, HIDDEN)]
+
+
+def group_shapes() -> list[tuple[int, ...]]:
+    """~24 tensors, 2.53e9 elements: past 2**31 elements in one launch of a group."""
+    return [(8192, 8192)] * 22 + [(128256, 4096)] * 2
+
+
+PRESETS = {
+    "llama1b": None,  # llama_shapes(--layers)
+    "embedding": lambda: [(128256, 8192)],  # one Llama-3-8B-sized embedding, 1.05e9 elements
+    "group": group_shapes,
+}
 
 
 def implementations() -> dict:
@@ -140,17 +153,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", nargs="*", help="implementation names to run (default: all)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama1b",
+                        help="llama1b: Llama-like shapes (--layers); embedding: one 128256x8192 "
+                             "tensor; group: 24 tensors, 2.53e9 elements")
+    parser.add_argument("--json", help="write the rows here (default: $OUT/bench_gpu_step.json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu_step.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
-    shapes = llama_shapes(args.layers)
+    shapes = llama_shapes(args.layers) if args.preset == "llama1b" else PRESETS[args.preset]()
     copy_gbs = copy_bandwidth_gbs()
     env = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
         triton=getattr(importlib.import_module("triton"), "__version__", None)
         if importlib.util.find_spec("triton") else None,
-        python=platform.python_version(), copy_gb_per_s=round(copy_gbs, 1),
+        python=platform.python_version(), copy_gb_per_s=round(copy_gbs, 1), preset=args.preset,
     )
     print(f"{env['gpu']}: measured copy bandwidth {copy_gbs:.0f} GB/s; "
           f"torch {env['torch']}, triton {env['triton']}")
@@ -168,8 +185,10 @@ def main() -> None:
     print("\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(str(row.get(c, row.get("error", ""))) for c in columns) + " |")
-    if os.environ.get("OUT"):
+    path = args.json
+    if path is None and os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "bench_gpu_step.json")
+    if path:
         with open(path, "w") as handle:
             json.dump(rows, handle, indent=1)
         print(f"wrote {path}")

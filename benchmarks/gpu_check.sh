@@ -1,38 +1,15 @@
 #!/usr/bin/env bash
-# GPU check for the Triton kernels (issue 7), a few minutes on one GPU:
-#   1. the CUDA-marked tests (hardware bf16 cast, no host-to-device copy, no re-JIT, ...);
-#   2. the ~1B-parameter optimizer-step benchmark (JSON under $OUT when OUT is set);
-#   3. the main benchmark's gpu-114m preset, shortened to GPU_BENCH_STEPS steps (default 300)
-#      so that all three checks fit ~10 minutes (results under $OUT/bench_gpu114m);
-#   4. CPU offload (CPUOffloadOptimizer): GPU memory saved, step time, copy/compute overlap.
-# Works from a plain checkout (no install needed) with torch + triton; torchao and
-# bitsandbytes are benchmarked only when installed. Extra arguments go to the benchmark.
+# The one command for a lent GPU (docs/triton.md, "The GPU check"): installs the wheels carried
+# in .whl/ (torchao, bitsandbytes, ... : the device machine reaches no package index) into
+# /tmp/site when there are any, then runs benchmarks/gpu_check.py, which runs every check with
+# its own time limit and writes gpu_check.{json,md,log} under $OUT. Without a GPU it runs the
+# CPU-side checks only and exits 0. Arguments go to gpu_check.py (e.g. --only cuda_tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; fi
-
-"$PYTHON" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
-print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
-
-# Modules whose optional dependencies are missing here fail to collect; the CUDA tests of the
-# others must still run.
-"$PYTHON" -m pytest -q -m cuda --continue-on-collection-errors -p no:cacheprovider tests \
-    2>&1 | tee "${OUT:-/tmp}/gpu_check_pytest.txt"
-tests_status=${PIPESTATUS[0]}
-
-"$PYTHON" benchmarks/bench_gpu_step.py "$@"
-bench_status=$?
-
-"$PYTHON" -m lowbit_optim.bench --model-size gpu-114m --device cuda \
-    --steps "${GPU_BENCH_STEPS:-300}" --out "${OUT:-/tmp}/bench_gpu114m"
-train_status=$?
-
-"$PYTHON" benchmarks/gpu_offload_check.py --out "${OUT:-/tmp}/offload"
-offload_status=$?
-
-echo "pytest -m cuda exit status: $tests_status; step benchmark: $bench_status;" \
-     "gpu-114m training benchmark: $train_status; CPU offload check: $offload_status"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$train_status" -eq 0 ] \
-    && [ "$offload_status" -eq 0 ]
+exec "$PYTHON" benchmarks/gpu_check.py "$@"

@@ -4,7 +4,6 @@ import json
 import math
 import os
 
-import matplotlib.image
 import pytest
 import torch
 
@@ -125,13 +124,14 @@ def test_quick_run_peak_memory(quick_run):
 
 
 def test_quick_run_writes_table_and_plots(quick_run):
+    image_module = pytest.importorskip("matplotlib.image")  # an optional dependency ([bench])
     out, results = quick_run
     table = (out / "table.md").read_text()
     for row in results["rows"]:
         assert f"| {row['label']} |" in table
     assert "val gap vs fp32" in table and "core CPU" in table
     for name in ("loss_curves.png", "memory.png"):
-        image = matplotlib.image.imread(out / name)
+        image = image_module.imread(out / name)
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600, name
         # Not blank: a plot has lines/bars in several colours.
         assert image[..., :3].std() > 0.05, name

@@ -7,11 +7,15 @@ NaN or ±inf keeps its parameter value and its moments for that step.
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
-from lowbit_optim import FORMATS, AdamW4bit, AdamW8bit, QuantizedState
+# A dev dependency: where it is missing (a bare GPU machine) the module is skipped, not an
+# error that would fail `pytest -m cuda`.
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from lowbit_optim import FORMATS, AdamW4bit, AdamW8bit, QuantizedState  # noqa: E402
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit]
 FLOAT32_MAX = torch.finfo(torch.float32).max
