@@ -79,8 +79,8 @@ def _slot_for(slots: dict, saved_id) -> _Slot:
 
 
 def is_torch_adamw_state_dict(state_dict) -> bool:
-    """Whether ``state_dict`` comes from ``torch.optim.AdamW`` (or another optimizer without
-    our group options) rather than from a ``LowBitAdamW``."""
+    """Whether ``state_dict`` comes from ``torch.optim.AdamW``, torchao's low-bit optimizers
+    (or another optimizer without our group options) rather than from a ``LowBitAdamW``."""
     groups = state_dict.get("param_groups", []) if isinstance(state_dict, Mapping) else []
     return bool(groups) and all(not any(k in g for k in LOWBIT_GROUP_KEYS) for g in groups)
 
@@ -225,7 +225,9 @@ def _is_plain_moment(key, value) -> bool:
 def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     """A ``torch.optim.AdamW`` state dict as ``optimizer`` (a ``LowBitAdamW``) would save it.
 
-    Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
+    Also takes a state dict of torchao's ``AdamW8bit``/``AdamW4bit``/``AdamWFp8``: their
+    quantized moments are read as float values (``foreign_float_values``) and quantized in
+    our formats. Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
     ``state_dict``; ``block_size``, ``min_quant_size`` and ``bf16_stochastic_round`` from the
     optimizer's current groups. Moments of parameters with at least ``min_quant_size``
     elements are quantized in the optimizer's formats; the others stay float32.
@@ -241,6 +243,11 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
             )
         group = {k: v for k, v in saved.items() if k not in TORCH_ADAMW_GROUP_OPTIONS}
         group.update({k: own[k] for k in LOWBIT_GROUP_KEYS})
+        # An option the saving optimizer did not have (torchao's groups have no maximize)
+        # keeps this optimizer's value.
+        for key, value in own.items():
+            if key not in ("params", "param_names"):
+                group.setdefault(key, value)
         groups.append(group)
     group_of = {saved_id: groups[i] for i, g in enumerate(groups) for saved_id in g["params"]}
 
@@ -253,7 +260,10 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
         group = group_of[saved_id]
         for key in MOMENT_KEYS:
             value = entry.get(key)
-            if not isinstance(value, torch.Tensor) or not optimizer.is_quantized(slot.param, group):
+            if not isinstance(value, torch.Tensor):
+                continue
+            value = converted[key] = foreign_float_values(value)
+            if not optimizer.is_quantized(slot.param, group):
                 continue
             if value.numel() != slot.param.numel():
                 raise ValueError(
@@ -265,6 +275,21 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
             ).quantize_(value)
         state[saved_id] = converted
     return {**state_dict, "state": state, "param_groups": groups}
+
+
+def foreign_float_values(value: torch.Tensor) -> torch.Tensor:
+    """A moment stored by another library's quantized state as its float32 values; any other
+    tensor as it is.
+
+    torchao's ``OptimState8bit``/``OptimState4bit``/``OptimStateFp8`` are tensor subclasses
+    with their own ``dequantize()``; their other ops (``reshape`` of a 4-bit state raised
+    ``NotImplementedError ... aten.constant_pad_nd``) cannot be relied on, so their values are
+    read once here and quantized again in our format: one rounding, like any format change.
+    """
+    own_dequantize = getattr(type(value), "dequantize", torch.Tensor.dequantize)
+    if isinstance(value, QuantizedState) or own_dequantize is torch.Tensor.dequantize:
+        return value
+    return value.dequantize().float()
 
 
 def to_torch_adamw(state_dict) -> dict:
