@@ -86,11 +86,11 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
     """The functional AdamW step over one param group's parameters, in place.
 
     Hyperparameters are 0-d CPU tensors (``hyperparams.GroupScalars``). Each parameter goes to
-    the implementation its state needs: float moments to ``float_state_adamw_step`` (small ones
-together, a fixed number of kernels for any number of them); quantized
-    ones one by one to the compiled (or eager) step, or, with ``backend="triton"``, all
-    together to the Triton kernel (one launch per kind), except float64 parameters, which the
-    kernel does not take and the compiled step does.
+    the implementation its state needs: float moments to ``float_state_adamw_step`` (small
+    ones together, a fixed number of kernels for any number of them); quantized ones one by
+    one to the compiled (or eager) step, or, with ``backend="triton"``, all together to the
+    Triton kernel (one launch per kind), except float64 parameters, which the kernel does not
+    take and the compiled step does.
     """
     grouped, float_state = [], {}
     for entry in entries:
