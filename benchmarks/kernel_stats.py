@@ -56,8 +56,9 @@ KINDS = {  # bits -> (exp_avg format, exp_avg_sq format, default block size)
     4: ("dynamic4-signed", "linear4-nonzero", 128),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Two parameters per group: a tile-multiple one and an odd-sized one (a partly masked tile).
-NUMELS = (1 << 20, 4097)
+# Two parameters per group: a tile-multiple one and one that ends in a partly masked tile.
+# The unaligned variant's first parameter starts one element into its storage.
+NUMELS = (1 << 20, 4112)
 
 
 # --- recording launches --------------------------------------------------------------------
@@ -188,6 +189,8 @@ def measure(bits, dtype_name, *, amsgrad, stochastic_round, aligned, archs) -> l
     seen = set()
     for arch in archs:
         for kernel, _grid, args, kwargs in launches:
+            if kwargs.get("ALIGNED", aligned) != aligned:
+                continue  # the aligned rest of a group that holds one misaligned tensor
             compiled, bound = compile_launch(kernel, args, kwargs, arch)
             key = (arch, compiled.hash)
             if key in seen:  # a group split into launches of one compiled kernel
@@ -200,7 +203,7 @@ def measure(bits, dtype_name, *, amsgrad, stochastic_round, aligned, archs) -> l
             per_thread = elements / threads
             loads, stores = _memory_ops(opcodes, "LDG"), _memory_ops(opcodes, "STG")
             rows.append({
-                "variant": name + ("" if len(launches) == 1 else f"[{kernel.__name__}]"),
+                "variant": name,
                 "default": default, "arch": f"sm_{arch}", "bits": bits, "param_dtype": dtype_name,
                 "amsgrad": amsgrad, "stochastic_round": stochastic_round, "aligned": aligned,
                 "kernel": kernel.__name__, "block_size": bound["BLOCK_SIZE"],

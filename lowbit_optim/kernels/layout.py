@@ -11,6 +11,11 @@ two small device tensors:
   receives as a typed pointer; then ``numel`` and the parameter's first program;
 * ``program_param`` (int32, one entry per program): the parameter's row.
 
+A launch is either aligned (every tensor 16 bytes aligned, every offset and ``numel`` a
+multiple of 16 elements: the kernel promises that with ``tl.multiple_of`` and moves
+parameters, gradients and codes with 128-bit accesses) or not; ``split_aligned`` sorts a
+group's parameters into the two, so one odd tensor does not slow the rest of its group.
+
 Offsets from a base pointer, rather than raw addresses, keep every pointer typed, so one
 kernel serves every parameter dtype without casting integers to pointers. Building a layout
 copies it to the device, so layouts are cached by the tensors' addresses and sizes: while
@@ -43,15 +48,41 @@ class Layout:
 _CACHE: OrderedDict = OrderedDict()
 
 
+def split_aligned(tensor_lists: list[list[torch.Tensor]]) -> list[tuple[bool, list[int]]]:
+    """``[(aligned, parameter indices), ...]``: the parameters that can share an aligned launch
+    (with the first such parameter as the base of every list), then the rest; empty parts are
+    left out."""
+    num_params = len(tensor_lists[0])
+    sizes = [tensors[0].element_size() for tensors in tensor_lists]
+    aligned, rest, bases = [], [], None
+    for index in range(num_params):
+        addresses = [tensors[index].data_ptr() for tensors in tensor_lists]
+        ok = tensor_lists[0][index].numel() % ALIGNMENT_ELEMENTS == 0 and all(a % 16 == 0 for a in addresses)
+        if ok and bases is not None:
+            ok = all((a - b) % (size * ALIGNMENT_ELEMENTS) == 0
+                     for a, b, size in zip(addresses, bases, sizes))
+        if ok and bases is None:
+            bases = addresses
+        (aligned if ok else rest).append(index)
+    return [(flag, indices) for flag, indices in ((True, aligned), (False, rest)) if indices]
+
+
 def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_size: int, rows: int,
-               device: torch.device) -> Layout:
-    """The layout for these tensors (eight lists, one tensor per parameter in each)."""
+               device: torch.device, *, aligned: bool = False) -> Layout:
+    """The layout for these tensors (eight lists, one tensor per parameter in each).
+
+    ``aligned=True`` asserts what ``split_aligned`` checked; it is verified again on a build.
+    """
     addresses = tuple(tuple(t.data_ptr() for t in tensors) for tensors in tensor_lists)
-    key = (device, block_size, rows, addresses, tuple(numels))
+    dtypes = tuple(tensors[0].dtype for tensors in tensor_lists)
+    key = (device, block_size, rows, aligned, dtypes, addresses, tuple(numels))
     layout = _CACHE.get(key)
     if layout is None:
         element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
         layout = _build(addresses, element_sizes, numels, block_size, rows, device)
+        if aligned and not (layout.aligned and all(n % ALIGNMENT_ELEMENTS == 0 for n in numels)):
+            raise ValueError("tensors are not aligned as an aligned launch needs (see split_aligned)")
+        layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned)
         _CACHE[key] = layout
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
