@@ -141,7 +141,7 @@ def _load_moment(codes_ptr, scales_ptr, table, rows, cols, row_mask,
 
 
 @triton.jit
-def _encode(values, reciprocal, factor, midpoints, BITS: tl.constexpr, CODEC: tl.constexpr):
+def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC: tl.constexpr):
     """Nearest code of ``values / scale`` given per-row ``reciprocal = 1 / (scale * factor)``."""
     normalized = (values * factor) * reciprocal
     # NaN (inf * 0 in an all-zero block) -> 0. No clamp to [-1, 1]: both encoders below give
@@ -153,16 +153,22 @@ def _encode(values, reciprocal, factor, midpoints, BITS: tl.constexpr, CODEC: tl
         code = tl.math.ceil(normalized * levels - 1.5)
         code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
     else:
-        # Branch-free binary search: after it, code = number of midpoints below x.
-        code = tl.full(normalized.shape, 0, tl.int32)
-        for level in tl.static_range(BITS):
-            midpoint = _lookup(midpoints, code + ((1 << (BITS - 1 - level)) - 1), 1 << BITS)
+        # Branch-free binary search: after it, code = number of midpoints below x. The first
+        # two steps compare with uniform scalars (no gather); the rest gather the midpoint.
+        size: tl.constexpr = 1 << BITS
+        upper = normalized > tl.load(midpoints_ptr + (size // 2 - 1))
+        quarter = tl.where(upper, tl.load(midpoints_ptr + (3 * size // 4 - 1)),
+                           tl.load(midpoints_ptr + (size // 4 - 1)))
+        code = tl.where(upper, size // 2, 0) + tl.where(normalized > quarter, size // 4, 0)
+        midpoints = tl.load(midpoints_ptr + tl.arange(0, size))
+        for level in tl.static_range(2, BITS):
+            midpoint = _lookup(midpoints, code + ((1 << (BITS - 1 - level)) - 1), size)
             code += tl.where(normalized > midpoint, 1 << (BITS - 1 - level), 0)
     return code
 
 
 @triton.jit
-def _store_moment(low, high, codes_ptr, scales_ptr, midpoints, rows, cols, row_mask,
+def _store_moment(low, high, codes_ptr, scales_ptr, midpoints_ptr, rows, cols, row_mask,
                   BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, CODEC: tl.constexpr):
     """Requantize ``ROWS`` blocks given as (low half, high half); write codes and scales."""
     low_abs = tl.where(_is_finite(low), tl.abs(low), 0.0)
@@ -171,11 +177,12 @@ def _store_moment(low, high, codes_ptr, scales_ptr, midpoints, rows, cols, row_m
     tl.store(scales_ptr + rows, scale, mask=row_mask)
     tiny = scale < _TINY_SCALE
     factor = tl.where(tiny, _TINY_FACTOR, 1.0)
-    # One IEEE division per block; 0 for an all-zero block, whose values then encode as 0.
-    reciprocal = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale * factor, 1.0)), 0.0)
+    # One (approximate, <= 2 ulp) division per block; 0 for an all-zero block, whose values
+    # then encode as 0.
+    reciprocal = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale * factor, 1.0), 0.0)
     factor, reciprocal = factor[:, None], reciprocal[:, None]
-    low_code = _encode(low, reciprocal, factor, midpoints, BITS, CODEC)
-    high_code = _encode(high, reciprocal, factor, midpoints, BITS, CODEC)
+    low_code = _encode(low, reciprocal, factor, midpoints_ptr, BITS, CODEC)
+    high_code = _encode(high, reciprocal, factor, midpoints_ptr, BITS, CODEC)
     mask = row_mask[:, None]
     if BITS == 8:
         index = rows[:, None] * BLOCK_SIZE + cols[None, :]
@@ -229,9 +236,9 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg
         new_max = tl.maximum(max_exp_avg_sq, new_exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)
         second_moment = new_max
         new_max = tl.where(finite, new_max, max_exp_avg_sq)
-    # Approximate sqrt and division: the bound is in the module docstring.
-    denom = tl.sqrt(second_moment) * inv_bias_correction2_sqrt + eps
-    new_param = param * decay - step_size * (new_exp_avg / denom)
+    # Approximate sqrt and division, and two explicit FMAs: the bound is in the module docstring.
+    denom = tl.fma(tl.sqrt(second_moment), inv_bias_correction2_sqrt, eps)
+    new_param = tl.fma(-step_size, tl.math.fdiv(new_exp_avg, denom, approx=True), param * decay)
     new_param = tl.where(finite, new_param, param)
     new_param = _to_param_dtype(new_param, noise_index, seed, param_ptr.dtype.element_ty,
                                 STOCHASTIC_ROUND, INTEGER_BF16_ROUNDING)
@@ -287,14 +294,10 @@ def _adamw_lowbit_kernel(
     exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, 4, ALIGNED)
     exp_avg_sq_scales = exp_avg_sq_scales_base + _offset(layout_row, 5, ALIGNED)
 
-    # The maps' tables and midpoints, once per program, held in registers (gathers read them
-    # from shared memory); the linear map needs neither.
-    exp_avg_size: tl.constexpr = 1 << EXP_AVG_BITS
-    exp_avg_sq_size: tl.constexpr = 1 << EXP_AVG_SQ_BITS
-    exp_avg_table = tl.load(exp_avg_table_ptr + tl.arange(0, exp_avg_size))
-    exp_avg_midpoints = tl.load(exp_avg_midpoints_ptr + tl.arange(0, exp_avg_size))
-    exp_avg_sq_table = tl.load(exp_avg_sq_table_ptr + tl.arange(0, exp_avg_sq_size))
-    exp_avg_sq_midpoints = tl.load(exp_avg_sq_midpoints_ptr + tl.arange(0, exp_avg_sq_size))
+    # The maps' tables, once per program, held in registers (gathers read them from shared
+    # memory); the linear map needs none.
+    exp_avg_table = tl.load(exp_avg_table_ptr + tl.arange(0, 1 << EXP_AVG_BITS))
+    exp_avg_sq_table = tl.load(exp_avg_sq_table_ptr + tl.arange(0, 1 << EXP_AVG_SQ_BITS))
 
     m_low, m_high = _load_moment(exp_avg_codes, exp_avg_scales, exp_avg_table, rows, cols, row_mask,
                                  BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
@@ -318,13 +321,13 @@ def _adamw_lowbit_kernel(
         beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, seed, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND,
         INTEGER_BF16_ROUNDING)
 
-    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_midpoints, rows, cols, row_mask,
+    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_midpoints_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
-    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_midpoints, rows, cols,
+    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_midpoints_ptr, rows, cols,
                   row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
     if AMSGRAD:
-        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_midpoints, rows, cols, row_mask,
-                      BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
+        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_midpoints_ptr, rows, cols,
+                      row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
 
 
 # --- host side ----------------------------------------------------------------------------
