@@ -73,7 +73,9 @@ GPU_TILE_ELEMENTS = 2048
 # The interpreter runs programs one after another in Python; bigger tiles mean fewer of them.
 INTERPRETER_TILE_ELEMENTS = 16384
 
-LINEAR, TABLE = 0, 1  # encoders: (k + 1) / 2**bits arithmetic; binary search over midpoints
+# Encoders: (k + 1) / 2**bits by arithmetic; binary search over the midpoints of a map whose
+# code 0 is the one nearest 0 (unsigned), or of one where it is not (signed).
+LINEAR, TABLE, SIGNED_TABLE = 0, 1, 2
 # Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
 _TINY_SCALE = tl.constexpr(2.0**-125)
 _TINY_FACTOR = tl.constexpr(2.0**64)
@@ -117,7 +119,8 @@ def _lookup(values, index, SIZE: tl.constexpr):
 @triton.jit
 def _decode(codes, table, BITS: tl.constexpr, CODEC: tl.constexpr):
     if CODEC == 0:
-        return (codes + 1).to(tl.float32) * (1.0 / (1 << BITS))  # exact: (k + 1) / 2**bits
+        # k / 2**bits + 1 / 2**bits in one FMA: exactly (k + 1) / 2**bits, the table's value.
+        return tl.fma(codes.to(tl.float32), 1.0 / (1 << BITS), 1.0 / (1 << BITS))
     else:
         return _lookup(table, codes, 1 << BITS)
 
@@ -143,14 +146,20 @@ def _load_moment(codes_ptr, scales_ptr, table, rows, cols, row_mask,
 @triton.jit
 def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC: tl.constexpr):
     """Nearest code of ``values / scale`` given per-row ``reciprocal = 1 / (scale * factor)``."""
+    # No clamp to [-1, 1]: both encoders give values beyond +-1 (inf, or 1 + 1 ulp from the
+    # reciprocal) the code of +-1 already. NaN arises only as inf * 0, an overflowed moment in
+    # a block whose finite values are all 0, and must encode as 0 does (the reference's
+    # normalised value is 0 there): the linear encoder's NaN-dropping clamp and the search
+    # (which puts NaN below every midpoint: code 0) do that by themselves when code 0 is the
+    # code nearest 0; signed maps select.
     normalized = (values * factor) * reciprocal
-    # NaN (inf * 0 in an all-zero block) -> 0. No clamp to [-1, 1]: both encoders below give
-    # values beyond +-1 (inf, or 1 + 1 ulp from the reciprocal) the code of +-1 already.
-    normalized = tl.where(normalized == normalized, normalized, 0.0)
+    if CODEC == 2:
+        normalized = tl.where(normalized == normalized, normalized, 0.0)
     if CODEC == 0:
-        # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped.
+        # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped
+        # (x * 2**bits is exact, so the FMA rounds as the separate operations would).
         levels: tl.constexpr = 1 << BITS
-        code = tl.math.ceil(normalized * levels - 1.5)
+        code = tl.math.ceil(tl.fma(normalized, levels, -1.5))
         code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
     else:
         # Branch-free binary search: after it, code = number of midpoints below x. The first
@@ -225,8 +234,9 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg
     grad = tl.load(grad_ptr + index, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         grad = -grad
+    # A non-finite gradient makes the new values NaN or inf; the selects below put back the
+    # old ones, so the gradient itself needs no cleaning.
     finite = _is_finite(grad)
-    grad = tl.where(finite, grad, 0.0)
     new_exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
     # torch addcmul order, ((1 - beta2) * g) * g: g * g first overflows float32 sooner.
     new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
@@ -340,7 +350,8 @@ def codec_kind(fmt: QuantFormat) -> int:
         return LINEAR
     if not bool((table[1:] > table[:-1]).all()):
         raise ValueError(f"format {fmt.name!r}: the binary-search encoder needs a strictly increasing map")
-    return TABLE
+    zero_code = int((codec_midpoints(fmt) < 0).sum())
+    return TABLE if zero_code == 0 else SIGNED_TABLE
 
 
 def codec_midpoints(fmt: QuantFormat) -> torch.Tensor:
