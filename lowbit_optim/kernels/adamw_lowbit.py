@@ -165,16 +165,17 @@ def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC
     # normalised value is 0 there): the linear encoder's NaN-dropping clamp and the search
     # (which puts NaN below every midpoint: code 0) do that by themselves when code 0 is the
     # code nearest 0; signed maps select.
-    normalized = (values * factor) * reciprocal
-    if CODEC == 2:
-        normalized = tl.where(normalized == normalized, normalized, 0.0)
     if CODEC == 0:
-        # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped
-        # (x * 2**bits is exact, so the FMA rounds as the separate operations would).
+        # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped;
+        # one FMA with the per-row 2**bits / scale rounds once where x * 2**bits - 1.5 would
+        # round twice (the bound covers both).
         levels: tl.constexpr = 1 << BITS
-        code = tl.math.ceil(tl.fma(normalized, levels, -1.5))
+        code = tl.math.ceil(tl.fma(values * factor, reciprocal * levels, -1.5))
         code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
     else:
+        normalized = (values * factor) * reciprocal
+        if CODEC == 2:
+            normalized = tl.where(normalized == normalized, normalized, 0.0)
         # Branch-free binary search: after it, code = number of midpoints below x. The first
         # two steps compare with uniform scalars (no gather); the rest gather the midpoint.
         size: tl.constexpr = 1 << BITS
@@ -455,5 +456,5 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
             AMSGRAD=amsgrad, MAXIMIZE=maximize,
             STOCHASTIC_ROUND=stochastic_round and params[0].dtype == torch.bfloat16,
             INTERPRETED=device.type == "cpu", ALIGNED=aligned,
-            num_warps=4, enable_fp_fusion=False,
+            num_warps=4, enable_fp_fusion=False, maxnreg=96,
         )
