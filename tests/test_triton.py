@@ -49,7 +49,7 @@ KINDS = {
     "8bit": (get_format("dynamic8-signed"), get_format("dynamic8-unsigned"), 256),
     "4bit": (get_format("dynamic4-signed"), get_format("linear4-nonzero"), 128),
 }
-CODE_EDGE_RELATIVE, CODE_EDGE_ABSOLUTE = 2.0**-19, 2.0**-22
+CODE_EDGE_RELATIVE, CODE_EDGE_ABSOLUTE = 2.0**-18, 2.0**-22
 UPDATE_RELATIVE = 2.0**-20
 # dtype -> (rtol, atol) for parameters: one ulp of the dtype (see the module docstring).
 PARAM_TOLERANCE = {

@@ -3,7 +3,7 @@
 Per element, with ``m, v`` (and ``v_max`` under amsgrad) decoded from their codes,
 ``m = table_m[code_m] * scale_m`` and so on, and ``g`` the gradient (negated if maximize)::
 
-    finite  = isfinite(g);            g = finite ? g : 0
+    finite  = isfinite(g)
     m'      = m + (1 - beta1) * (g - m)
     v'      = v * beta2 + ((1 - beta2) * g) * g
     v_max'  = max(v_max, v')                        (amsgrad; the denominator uses it)
@@ -16,35 +16,39 @@ values, ``code = nearest(x * (1 / scale))``. The oracle is
 ``lowbit_optim.functional.quantized_adamw_step`` (tests/test_triton.py). The moments
 ``m', v', v_max'`` and the block scales are computed operation for operation as there
 (multiply-add contraction is off: ``enable_fp_fusion=False``), so scales match bit for bit.
-Two places trade IEEE-exact forms for cheap ones (issue 14: the IEEE forms cost ~45 SASS
-instructions per element), with these bounds:
+Three places trade IEEE-exact forms for cheap ones (issue 14: the IEEE forms cost ~45 SASS
+instructions per element), with these bounds (``RN`` is float32 round-to-nearest):
 
-* Normalisation: one correctly rounded reciprocal per block, ``r = div_rn(1, scale)``, then
-  ``x = v * r`` (a block whose scale is below 2**-125, where ``1 / scale`` would overflow,
-  first multiplies ``v`` and ``scale`` by 2**64, which is exact). Against the reference's
-  ``RN(v / scale)``: ``|x - RN(v / scale)| <= 3 * 2**-24 * |v / scale| <= 2**-22`` (two
-  roundings of relative size 2**-24 each against one), on the GPU and in the interpreter
-  alike (both are IEEE multiplies). So a code may differ from the reference only when the
-  normalised value is within ``2**-22 * |x|`` of a bin edge.
+* Normalisation: one reciprocal per block, ``r = 1 / scale`` (``div.full.f32``: <= 2 ulp on
+  the GPU, correctly rounded under ``TRITON_INTERPRET=1``), then ``x = v * r`` (a block whose
+  scale is below 2**-125, where ``1 / scale`` could overflow, first multiplies ``v`` and
+  ``scale`` by 2**64, which is exact). So ``|x - v / scale| <= (2**-22 + 2**-24) |v / scale|``
+  and ``|x - RN(v / scale)| <= 2**-21 |x|``: a code may differ from the reference's only
+  when the normalised value is within ``2**-21 |x|`` of a bin edge.
 * Encoders: the 16- and 256-entry maps return the number of table midpoints
-  (``(t[i] + t[i + 1]) / 2`` in float32) that ``x`` exceeds, by binary search over the
-  midpoints (``log2(size)`` steps; ``tl.gather`` from a register tensor, which the compiler
-  stages in shared memory: no per-element global loads). For the 16-entry maps this is
-  ``SmallTableCodec`` exactly; ``DynamicExponentCodec`` (8-bit) forms its interior edges by
-  float32 arithmetic, within ``2**-19`` relative of these midpoints (checked by
-  tests/test_triton.py::test_encoder_at_bin_edges), so together a code differs from the
-  reference only for normalised values within ``2**-19 * |x| + 2**-22`` of a midpoint, and
-  then by one step of the map. The linear map ``(k + 1) / 16`` encodes as
-  ``clamp(ceil(16 * x - 1.5), 0, 15)``, which is exact (``16 * x`` is exact and the
-  subtraction is exact wherever the ceiling can change), and decodes as ``(k + 1) / 16``.
-* The update: ``sqrt`` is ``sqrt.approx.f32`` (relative error <= 2**-23, subnormal inputs
-  flushed to 0, which moves the denominator by less than 2**-63 / sqrt(1 - beta2**t)),
-  ``1 / sqrt(1 - beta2**t)`` is formed on the host (a multiply instead of a division),
-  and ``m' / denom`` is ``div.full.f32`` (<= 2 ulp). With the roundings of the multiply and
-  the ``+ eps``, the quotient ``q = m' / denom`` is within ``2**-20`` relative of the
-  reference's, so ``|p'_kernel - p'_reference| <= 2**-20 * |lr / (1 - beta1**t) * q| +
-  1 ulp`` of the parameter dtype (after the final cast). Under ``TRITON_INTERPRET=1``
-  (numpy, every operation IEEE) only the reciprocal multiply differs: ``2**-22`` relative.
+  (``(t[i] + t[i + 1]) / 2`` in float32) that ``x`` exceeds, by a branch-free binary search
+  over the midpoints: the first two steps compare with uniform scalars, the others
+  ``tl.gather`` the midpoint from a register tensor, which the compiler stages in shared
+  memory (no per-element global loads). For the 16-entry maps that is ``SmallTableCodec``
+  exactly; ``DynamicExponentCodec`` (8-bit) forms its bin edges in float32 arithmetic,
+  within ``2**-19 |x|`` of these midpoints (tests/test_triton.py::test_encoder_at_bin_edges
+  puts values on and next to every edge). Together: a code differs from the reference's
+  only for normalised values within ``2**-18 |x|`` of a bin edge, and then by one step of the
+  map. The linear map ``(k + 1) / 16`` encodes as ``clamp(ceil(v * (16 r) - 1.5), 0, 15)``
+  with one FMA, a single rounding of a value whose error the normalisation bound already
+  covers (``16 x - 1.5`` itself is exact wherever the ceiling can change), and decodes as
+  ``fma(k, 1/16, 1/16)``, exactly the table's value. 256-entry
+  tables decode with ``tl.gather`` (shared memory), 16-entry ones too.
+* The update: ``sqrt`` is ``sqrt.approx.f32`` (relative error <= 2**-22; a subnormal ``v'``
+  may flush to 0, which moves ``denom`` by less than 2**-63 / sqrt(1 - beta2**t)),
+  ``1 / sqrt(1 - beta2**t)`` is formed on the host and ``+ eps`` is one FMA, and
+  ``m' / denom`` is ``div.approx.ftz.f32`` (<= 2 ulp for ``denom`` in [2**-126, 2**126],
+  which holds for ``eps >= 2**-126``: ``denom <= sqrt(FLT_MAX) / sqrt(1 - beta2**t)``; a
+  subnormal ``m'`` flushes to 0, an error below 2**-126 / eps in the quotient). The quotient
+  ``q`` is then within ``2**-20`` relative of the reference's, and ``p' = fma(-step, q, p *
+  decay)``, so ``|p'_kernel - p'_reference| <= 2**-20 |lr / (1 - beta1**t) * q| + 1 ulp`` of
+  the parameter dtype. Under the interpreter (numpy: every operation IEEE, the division
+  exact) only the host reciprocal and the FMAs differ: ``2**-22`` relative.
 
 Layout: a program takes ``ROWS`` consecutive blocks of one parameter and works on the low and
 high halves of each block, which is exactly the 4-bit packing (byte ``k`` holds element ``k``
