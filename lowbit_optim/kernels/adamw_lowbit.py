@@ -61,6 +61,7 @@ sizes, odd views) go to a second launch of the unaligned variant, so a misaligne
 slows only itself.
 """
 
+import contextlib
 import math
 
 import torch
@@ -102,8 +103,12 @@ def _row_max(x):
 
 @triton.jit
 def _random_bits16(seed, index):
-    """16 uniform random bits per element: the murmur3 finaliser of a seeded counter."""
-    x = index.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32)
+    """16 uniform random bits per element: the murmur3 finaliser of a seeded counter.
+
+    ``index`` is int64 and both of its halves enter the hash, so elements 2**32 apart in a
+    launch (groups can be that large) do not share their noise."""
+    high = (index >> 32).to(tl.uint32)
+    x = index.to(tl.uint32) * 0x9E3779B1 + (seed.to(tl.uint32) ^ (high * 0x85EBCA77))
     x ^= x >> 16
     x *= 0x85EBCA6B
     x ^= x >> 13
@@ -443,22 +448,32 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     rows = max(1, tile // block_size)
     moments = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg_sq]
     tensor_lists = [params, grads] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
-    exp_avg_table, exp_avg_midpoints = _device_tables(exp_avg_format, device)
-    exp_avg_sq_table, exp_avg_sq_midpoints = _device_tables(exp_avg_sq_format, device)
+    tables = _device_tables(exp_avg_format, device) + _device_tables(exp_avg_sq_format, device)
     for aligned, indices in layouts.split_aligned(tensor_lists):
         lists = [[tensors[i] for i in indices] for tensors in tensor_lists]
         numels = [params[i].numel() for i in indices]
-        layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned)
-        _adamw_lowbit_kernel[(layout.num_programs,)](
-            *[tensors[0] for tensors in lists], layout.table, layout.program_param,
-            exp_avg_table, exp_avg_midpoints, exp_avg_sq_table, exp_avg_sq_midpoints,
-            scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
-            scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"], seed,
-            BLOCK_SIZE=block_size, ROWS=rows, LAYOUT_COLUMNS=layouts.LAYOUT_COLUMNS,
-            EXP_AVG_BITS=exp_avg_format.bits, EXP_AVG_CODEC=codec_kind(exp_avg_format),
-            EXP_AVG_SQ_BITS=exp_avg_sq_format.bits, EXP_AVG_SQ_CODEC=codec_kind(exp_avg_sq_format),
-            AMSGRAD=amsgrad, MAXIMIZE=maximize,
-            STOCHASTIC_ROUND=stochastic_round and params[0].dtype == torch.bfloat16,
-            INTERPRETED=device.type == "cpu", ALIGNED=aligned,
-            num_warps=4, enable_fp_fusion=False, maxnreg=96,
-        )
+        with device_guard(device):
+            _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
+                        stochastic_round and params[0].dtype == torch.bfloat16, seed, exp_avg_format,
+                        exp_avg_sq_format, device)
+
+
+def device_guard(device: torch.device):
+    """Launch on the parameters' device (and so on its current stream), whichever is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
+                stochastic_round, seed, exp_avg_format, exp_avg_sq_format, device) -> None:
+    layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned)
+    _adamw_lowbit_kernel[(layout.num_programs,)](
+        *[tensors[0] for tensors in lists], layout.table, layout.program_param, *tables,
+        scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
+        scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"], seed,
+        BLOCK_SIZE=block_size, ROWS=rows, LAYOUT_COLUMNS=layouts.LAYOUT_COLUMNS,
+        EXP_AVG_BITS=exp_avg_format.bits, EXP_AVG_CODEC=codec_kind(exp_avg_format),
+        EXP_AVG_SQ_BITS=exp_avg_sq_format.bits, EXP_AVG_SQ_CODEC=codec_kind(exp_avg_sq_format),
+        AMSGRAD=amsgrad, MAXIMIZE=maximize, STOCHASTIC_ROUND=stochastic_round,
+        INTERPRETED=device.type == "cpu", ALIGNED=aligned,
+        num_warps=4, enable_fp_fusion=False, maxnreg=96,
+    )

@@ -21,7 +21,9 @@ kernel serves every parameter dtype without casting integers to pointers. Buildi
 copies it to the device, so layouts are cached by the tensors' addresses and sizes: while
 they stay where they are (parameters and states always do; gradients do when they are kept
 between steps or the caching allocator hands back the same blocks), a step launches
-without any host-to-device copy.
+without any host-to-device copy. The cache key includes the lists' dtypes: the same
+addresses with other element sizes give other offsets. A new table is built with tensor
+operations and copied from pinned memory without blocking the host.
 """
 
 from collections import OrderedDict
@@ -92,27 +94,32 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
 
 
 def _build(addresses, element_sizes, numels, block_size, rows, device) -> Layout:
+    """The table and program map, computed with tensor operations (no Python loop per tensor)."""
     num_params = len(numels)
-    table = torch.zeros(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
-    aligned = True
-    for column, (column_addresses, size) in enumerate(zip(addresses, element_sizes)):
-        base = column_addresses[0]
-        aligned &= base % 16 == 0
-        for row, address in enumerate(column_addresses):
-            offset, remainder = divmod(address - base, size)
-            if remainder:
-                raise ValueError("tensor addresses are not whole elements apart")
-            aligned &= offset % ALIGNMENT_ELEMENTS == 0
-            table[row, column] = offset
-    programs = torch.tensor([_ceil_div(_ceil_div(n, block_size), rows) for n in numels], dtype=torch.int64)
-    table[:, NUMEL] = torch.tensor(numels, dtype=torch.int64)
+    address = torch.tensor(addresses, dtype=torch.int64)  # (8 lists, params)
+    sizes = torch.tensor(element_sizes, dtype=torch.int64)[:, None]
+    delta = address - address[:, :1]
+    if bool((delta % sizes).any()):
+        raise ValueError("tensor addresses are not whole elements apart")
+    offsets = delta // sizes
+    aligned = bool((address[:, 0] % 16 == 0).all()) and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
+    numel = torch.tensor(numels, dtype=torch.int64)
+    blocks = (numel + block_size - 1) // block_size
+    programs = (blocks + rows - 1) // rows
+    table = torch.empty(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
+    table[:, :NUMEL] = offsets.t()
+    table[:, NUMEL] = numel
     table[:, FIRST_PROGRAM] = torch.cumsum(programs, 0) - programs
     program_param = torch.repeat_interleave(torch.arange(num_params, dtype=torch.int32), programs)
-    return Layout(table.to(device), program_param.to(device), int(programs.sum()), aligned)
+    return Layout(_to_device(table, device), _to_device(program_param, device), int(programs.sum()), aligned)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CUDA: through pinned memory, without blocking the host (the caching host allocator keeps
+    the pinned buffer until the copy has run)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def clear_cache() -> None:
