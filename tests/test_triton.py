@@ -302,13 +302,33 @@ def test_misaligned_tensor_launches_alone(kind, launches):
     assert launches.aligned == [True, True, False]
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_odd_size_splits_off_its_last_block(kind, launches, monkeypatch):
+    """An aligned parameter of 4097 elements: its whole blocks take the aligned launch and only
+    its last, partial block the unaligned one."""
+    seen = []
+    real = adamw_lowbit._launch_one
+
+    def record(lists, numels, aligned, *args):
+        seen.append((aligned, list(numels)))
+        return real(lists, numels, aligned, *args)
+
+    monkeypatch.setattr(adamw_lowbit, "_launch_one", record)
+    param, states = make_case(4097, kind, torch.float32)
+    block_size = states[0].block_size
+    run_against_reference([(param, None, states)], steps=SCHEDULE[:2])
+    body = 4097 // block_size * block_size
+    assert seen == [(True, [body]), (False, [4097 - body])] * 2
+
+
 @pytest.mark.usefixtures("interpreter")
 def test_kinds_launch_separately(launches):
-    """Different dtypes or step counts cannot share a launch; each kind gets exactly one."""
-    cases = [(*make_case(500, "8bit", dtype)[:1], None, make_case(500, "8bit", dtype)[1])
+    """Different dtypes or step counts cannot share a launch; each kind gets exactly one (sizes
+    that are multiples of 16: no unaligned tail launch)."""
+    cases = [(*make_case(512, "8bit", dtype)[:1], None, make_case(512, "8bit", dtype)[1])
              for dtype in (torch.float32, torch.float32, torch.float16)]
     hyper = hyper_tensors(1e-3, (0.9, 0.999), 0.0, 1)
-    entries = [(p, torch.randn(500).to(p.dtype), s[0], s[1], None, hyper[5]) for p, _, s in cases]
+    entries = [(p, torch.randn(512).to(p.dtype), s[0], s[1], None, hyper[5]) for p, _, s in cases]
     entries[1] = (*entries[1][:5], torch.tensor(7.0))
     kernels.step_group(entries, *hyper[:5], maximize=False, stochastic_round=False)
     assert len(launches.grids) == 3

@@ -56,9 +56,9 @@ in its low nibble and element ``k + block_size / 2`` in its high nibble). Which 
 program serves, and where that parameter's tensors are, comes from the multi-tensor layout
 (``lowbit_optim.kernels.layout``): one launch covers every parameter of a kind whose tensors
 are 16-element aligned and whose size is a multiple of 16, with ``tl.multiple_of`` hints so
-that parameters, gradients and codes move with 128-bit loads and stores; the others (odd
-sizes, odd views) go to a second launch of the unaligned variant, so a misaligned tensor
-slows only itself.
+that parameters, gradients and codes move with 128-bit loads and stores; the others go to a
+second launch of the unaligned variant, so a misaligned tensor slows only itself. An aligned
+parameter of odd size sends only its last, partial block there (``_split_tails``).
 """
 
 import contextlib
@@ -448,14 +448,37 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     rows = max(1, tile // block_size)
     moments = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg_sq]
     tensor_lists = [params, grads] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
+    tensor_lists = _split_tails(tensor_lists, block_size)
     tables = _device_tables(exp_avg_format, device) + _device_tables(exp_avg_sq_format, device)
     for aligned, indices in layouts.split_aligned(tensor_lists):
         lists = [[tensors[i] for i in indices] for tensors in tensor_lists]
-        numels = [params[i].numel() for i in indices]
+        numels = [tensor_lists[0][i].numel() for i in indices]
         with device_guard(device):
             _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
                         stochastic_round and params[0].dtype == torch.bfloat16, seed, exp_avg_format,
                         exp_avg_sq_format, device)
+
+
+def _split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list[list[torch.Tensor]]:
+    """Split a parameter whose tensors are 16-byte aligned but whose size is not a multiple of
+    16 into its whole blocks, which can take the aligned launch, and its last, partial block,
+    which takes the unaligned one (a block is never split: its scale is its maximum)."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in tensor_lists]
+    for index, param in enumerate(tensor_lists[0]):
+        tensors = [tensors[index] for tensors in tensor_lists]
+        whole_blocks = param.numel() // block_size
+        body = whole_blocks * block_size
+        odd_size = param.numel() % layouts.ALIGNMENT_ELEMENTS != 0
+        if (odd_size and whole_blocks and body % layouts.ALIGNMENT_ELEMENTS == 0
+                and all(t.data_ptr() % 16 == 0 for t in tensors)):
+            split = [(t[:body], t[body:]) if position < 2 else (t[:whole_blocks], t[whole_blocks:])
+                     for position, t in enumerate(tensors)]
+            for piece_list, (head, tail) in zip(pieces, split):
+                piece_list += [head, tail]
+        else:
+            for piece_list, tensor in zip(pieces, tensors):
+                piece_list.append(tensor)
+    return pieces
 
 
 def device_guard(device: torch.device):
