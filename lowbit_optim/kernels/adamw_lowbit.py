@@ -119,10 +119,10 @@ def _random_bits16(seed, index):
 
 @triton.jit
 def _lookup(values, index, SIZE: tl.constexpr):
-    """``values[index]`` for a 2-D ``index`` and a 1-D ``values`` of ``SIZE`` entries held in
+    """``values[index]`` for a 3-D ``index`` and a 1-D ``values`` of ``SIZE`` entries held in
     registers (``tl.gather`` works on equal ranks; the reshapes keep the element order)."""
-    flat = tl.reshape(index, [index.shape[0] * index.shape[1]])
-    return tl.reshape(tl.gather(values, flat, 0), [index.shape[0], index.shape[1]])
+    flat = tl.reshape(index, [index.shape[0] * index.shape[1] * index.shape[2]])
+    return tl.reshape(tl.gather(values, flat, 0), [index.shape[0], index.shape[1], index.shape[2]])
 
 
 @triton.jit
@@ -162,7 +162,9 @@ def _load_moment(codes_ptr, scales_ptr, table, rows, cols, row_mask,
                          other=0).to(tl.int32)
         low = packed & 0x0F
         high = packed >> 4
-    return _decode(low, table, BITS, CODEC) * scale, _decode(high, table, BITS, CODEC) * scale
+    # Both halves in one tensor: one gather (one staging of the table) for both.
+    values = _decode(tl.join(low, high), table, BITS, CODEC) * scale[:, :, None]
+    return tl.split(values)
 
 
 @triton.jit
@@ -212,9 +214,10 @@ def _store_moment(low, high, codes_ptr, scales_ptr, midpoints_ptr, rows, cols, r
     # One (approximate, <= 2 ulp) division per block; 0 for an all-zero block, whose values
     # then encode as 0.
     reciprocal = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale * factor, 1.0), 0.0)
-    factor, reciprocal = factor[:, None], reciprocal[:, None]
-    low_code = _encode(low, reciprocal, factor, midpoints_ptr, BITS, CODEC)
-    high_code = _encode(high, reciprocal, factor, midpoints_ptr, BITS, CODEC)
+    # Both halves in one tensor: one search (one staging of the midpoints per step) for both.
+    both = tl.join(low, high)
+    code = _encode(both, reciprocal[:, None, None], factor[:, None, None], midpoints_ptr, BITS, CODEC)
+    low_code, high_code = tl.split(code)
     mask = row_mask[:, None]
     if BITS == 8:
         index = rows[:, None] * BLOCK_SIZE + cols[None, :]
