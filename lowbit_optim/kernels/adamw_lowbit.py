@@ -58,7 +58,7 @@ program serves, and where that parameter's tensors are, comes from the multi-ten
 are 16-element aligned and whose size is a multiple of 16, with ``tl.multiple_of`` hints so
 that parameters, gradients and codes move with 128-bit loads and stores; the others go to a
 second launch of the unaligned variant, so a misaligned tensor slows only itself. An aligned
-parameter of odd size sends only its last, partial block there (``_split_tails``).
+parameter of odd size sends only its last, partial block there (``layout.split_tails``).
 """
 
 import contextlib
@@ -69,7 +69,8 @@ import triton
 import triton.language as tl
 
 from lowbit_optim.kernels import layout as layouts
-from lowbit_optim.quant import maps
+from lowbit_optim.kernels import tables
+from lowbit_optim.kernels.tables import codec_kind, device_tables
 from lowbit_optim.quant.formats import QuantFormat
 
 # Elements per program: 2048 with 4 warps is 16 elements per thread (four 16-byte loads of
@@ -78,9 +79,8 @@ GPU_TILE_ELEMENTS = 2048
 # The interpreter runs programs one after another in Python; bigger tiles mean fewer of them.
 INTERPRETER_TILE_ELEMENTS = 16384
 
-# Encoders: (k + 1) / 2**bits by arithmetic; binary search over the midpoints of a map whose
-# code 0 is the one nearest 0 (unsigned), or of one where it is not (signed).
-LINEAR, TABLE, SIGNED_TABLE = 0, 1, 2
+_LINEAR = tl.constexpr(tables.LINEAR)
+_SIGNED_TABLE = tl.constexpr(tables.SIGNED_TABLE)
 # Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
 _TINY_SCALE = tl.constexpr(2.0**-125)
 _TINY_FACTOR = tl.constexpr(2.0**64)
@@ -140,7 +140,7 @@ def _divide(numerator, denominator, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _decode(codes, table, BITS: tl.constexpr, CODEC: tl.constexpr):
-    if CODEC == 0:
+    if CODEC == _LINEAR:
         # k / 2**bits + 1 / 2**bits in one FMA: exactly (k + 1) / 2**bits, the table's value.
         return tl.fma(codes.to(tl.float32), 1.0 / (1 << BITS), 1.0 / (1 << BITS))
     else:
@@ -176,7 +176,7 @@ def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC
     # normalised value is 0 there): the linear encoder's NaN-dropping clamp and the search
     # (which puts NaN below every midpoint: code 0) do that by themselves when code 0 is the
     # code nearest 0; signed maps select.
-    if CODEC == 0:
+    if CODEC == _LINEAR:
         # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped;
         # one FMA with the per-row 2**bits / scale rounds once where x * 2**bits - 1.5 would
         # round twice (the bound covers both).
@@ -185,7 +185,7 @@ def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC
         code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
     else:
         normalized = (values * factor) * reciprocal
-        if CODEC == 2:
+        if CODEC == _SIGNED_TABLE:
             normalized = tl.where(normalized == normalized, normalized, 0.0)
         # Branch-free binary search: after it, code = number of midpoints below x. The first
         # two steps compare with uniform scalars (no gather); the rest gather the midpoint.
@@ -367,36 +367,6 @@ def _adamw_lowbit_kernel(
 
 
 # --- host side ----------------------------------------------------------------------------
-def codec_kind(fmt: QuantFormat) -> int:
-    """The kernel's encoder for ``fmt``, judged from its map (``lowbit_optim.quant.maps``)."""
-    table = fmt.table
-    if table.numel() != 1 << fmt.bits or fmt.bits not in (4, 8):
-        raise ValueError(f"format {fmt.name!r} has no Triton encoder")
-    if torch.equal(table, maps.linear_nonzero_map(total_bits=fmt.bits)):
-        return LINEAR
-    if not bool((table[1:] > table[:-1]).all()):
-        raise ValueError(f"format {fmt.name!r}: the binary-search encoder needs a strictly increasing map")
-    zero_code = int((codec_midpoints(fmt) < 0).sum())
-    return TABLE if zero_code == 0 else SIGNED_TABLE
-
-
-def codec_midpoints(fmt: QuantFormat) -> torch.Tensor:
-    """The bin edges ``(t[i] + t[i + 1]) / 2`` in float32, padded with +inf to the table's size."""
-    table = fmt.table.float()
-    return torch.cat([(table[1:] + table[:-1]) / 2, torch.tensor([float("inf")])])
-
-
-_DEVICE_TABLES: dict = {}
-
-
-def _device_tables(fmt: QuantFormat, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decode table, midpoints) on ``device``: copied there once per process."""
-    key = (fmt.name, device)
-    if key not in _DEVICE_TABLES:
-        _DEVICE_TABLES[key] = (fmt.table.float().to(device), codec_midpoints(fmt).to(device))
-    return _DEVICE_TABLES[key]
-
-
 # Decided when the kernel was defined: Triton reads TRITON_INTERPRET in its @jit decorator.
 _INTERPRETED = type(_adamw_lowbit_kernel).__name__ == "InterpretedFunction"
 
@@ -451,8 +421,8 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     rows = max(1, tile // block_size)
     moments = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg_sq]
     tensor_lists = [params, grads] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
-    tensor_lists = _split_tails(tensor_lists, block_size)
-    tables = _device_tables(exp_avg_format, device) + _device_tables(exp_avg_sq_format, device)
+    tensor_lists = layouts.split_tails(tensor_lists, block_size)
+    tables = device_tables(exp_avg_format, device) + device_tables(exp_avg_sq_format, device)
     for aligned, indices in layouts.split_aligned(tensor_lists):
         lists = [[tensors[i] for i in indices] for tensors in tensor_lists]
         numels = [tensor_lists[0][i].numel() for i in indices]
@@ -460,28 +430,6 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
             _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
                         stochastic_round and params[0].dtype == torch.bfloat16, seed, exp_avg_format,
                         exp_avg_sq_format, device)
-
-
-def _split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list[list[torch.Tensor]]:
-    """Split a parameter whose tensors are 16-byte aligned but whose size is not a multiple of
-    16 into its whole blocks, which can take the aligned launch, and its last, partial block,
-    which takes the unaligned one (a block is never split: its scale is its maximum)."""
-    pieces: list[list[torch.Tensor]] = [[] for _ in tensor_lists]
-    for index, param in enumerate(tensor_lists[0]):
-        tensors = [tensors[index] for tensors in tensor_lists]
-        whole_blocks = param.numel() // block_size
-        body = whole_blocks * block_size
-        odd_size = param.numel() % layouts.ALIGNMENT_ELEMENTS != 0
-        if (odd_size and whole_blocks and body % layouts.ALIGNMENT_ELEMENTS == 0
-                and all(t.data_ptr() % 16 == 0 for t in tensors)):
-            split = [(t[:body], t[body:]) if position < 2 else (t[:whole_blocks], t[whole_blocks:])
-                     for position, t in enumerate(tensors)]
-            for piece_list, (head, tail) in zip(pieces, split):
-                piece_list += [head, tail]
-        else:
-            for piece_list, tensor in zip(pieces, tensors):
-                piece_list.append(tensor)
-    return pieces
 
 
 def device_guard(device: torch.device):

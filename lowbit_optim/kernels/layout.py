@@ -50,6 +50,28 @@ class Layout:
 _CACHE: OrderedDict = OrderedDict()
 
 
+def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list[list[torch.Tensor]]:
+    """Split a parameter whose tensors are 16-byte aligned but whose size is not a multiple of
+    16 into its whole blocks, which can take the aligned launch, and its last, partial block,
+    which takes the unaligned one (a block is never split: its scale is its maximum)."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in tensor_lists]
+    for index, param in enumerate(tensor_lists[0]):
+        tensors = [tensors[index] for tensors in tensor_lists]
+        whole_blocks = param.numel() // block_size
+        body = whole_blocks * block_size
+        odd_size = param.numel() % ALIGNMENT_ELEMENTS != 0
+        if (odd_size and whole_blocks and body % ALIGNMENT_ELEMENTS == 0
+                and all(t.data_ptr() % 16 == 0 for t in tensors)):
+            split = [(t[:body], t[body:]) if position < 2 else (t[:whole_blocks], t[whole_blocks:])
+                     for position, t in enumerate(tensors)]
+            for piece_list, (head, tail) in zip(pieces, split):
+                piece_list += [head, tail]
+        else:
+            for piece_list, tensor in zip(pieces, tensors):
+                piece_list.append(tensor)
+    return pieces
+
+
 def split_aligned(tensor_lists: list[list[torch.Tensor]]) -> list[tuple[bool, list[int]]]:
     """``[(aligned, parameter indices), ...]``: the parameters that can share an aligned launch
     (with the first such parameter as the base of every list), then the rest; empty parts are
