@@ -434,6 +434,11 @@ def test_op_rejects_bad_input():
         op([torch.zeros(600)], *args[1:], *hyper, **flags)
     with pytest.raises(ValueError, match="one entry per parameter"):
         op(args[0], [], *args[2:], *hyper, **flags)
+    fmt_m, fmt_v = get_format("dynamic8-signed"), get_format("dynamic8-unsigned")
+    odd = [QuantizedState.from_float(torch.zeros(300), fmt, 48) for fmt in (fmt_m, fmt_v)]
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        op([param], [torch.randn(300)], [odd[0].codes], [odd[0].scales], [odd[1].codes], [odd[1].scales],
+           [], [], *hyper, **flags)
 
 
 def test_backend_resolution(monkeypatch):

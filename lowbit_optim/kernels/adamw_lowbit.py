@@ -405,6 +405,9 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     """
     if not params:
         return
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two block_size (got {block_size}): "
+                         "tl.arange spans half a block")
     device = params[0].device
     if device.type == "cpu" and not is_interpreted():
         raise RuntimeError(
