@@ -4,6 +4,10 @@
     python benchmarks/kernel_stats.py --arch 90 --defaults  # the optimizer's defaults only
     python benchmarks/kernel_stats.py --json kernel_stats.json
 
+Run it with the checkout you mean to measure first on ``sys.path`` (``PYTHONPATH=.`` from the
+repository root): ``python benchmarks/...`` puts ``benchmarks/`` there, not the checkout, so
+otherwise the installed ``lowbit_optim`` is measured.
+
 No GPU is needed: ``lowbit_optim.kernels.adamw_lowbit.launch`` is driven with ``meta``
 tensors (which the host code treats as a GPU device: GPU tile sizes, no interpreter paths),
 its kernel launches are recorded instead of run, and each recorded launch is specialised
