@@ -102,10 +102,10 @@ def _row_max(x):
 
 
 @triton.jit
-def _random_bits16(seed, index):
-    """16 uniform random bits per element: the murmur3 finaliser of a seeded counter.
+def _random_bits32(seed, index):
+    """32 uniform random bits per index: the murmur3 finaliser of a seeded counter.
 
-    ``index`` is int64 and both of its halves enter the hash, so elements 2**32 apart in a
+    ``index`` is int64 and both of its halves enter the hash, so indices 2**32 apart in a
     launch (groups can be that large) do not share their noise."""
     high = (index >> 32).to(tl.uint32)
     x = index.to(tl.uint32) * 0x9E3779B1 + (seed.to(tl.uint32) ^ (high * 0x85EBCA77))
@@ -114,7 +114,13 @@ def _random_bits16(seed, index):
     x ^= x >> 13
     x *= 0xC2B2AE35
     x ^= x >> 16
-    return (x >> 16).to(tl.int32)
+    return x
+
+
+@triton.jit
+def _random_bits16(seed, index):
+    """16 uniform random bits per index (the high half of ``_random_bits32``)."""
+    return (_random_bits32(seed, index) >> 16).to(tl.int32)
 
 
 @triton.jit
@@ -229,7 +235,7 @@ def _store_moment(low, high, codes_ptr, scales_ptr, midpoints_ptr, rows, cols, r
 
 
 @triton.jit
-def _to_param_dtype(values, noise_index, seed, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
                     INTERPRETED: tl.constexpr):
     """float32 -> the parameter's dtype; bfloat16 optionally by stochastic rounding.
 
@@ -244,16 +250,15 @@ def _to_param_dtype(values, noise_index, seed, DTYPE: tl.constexpr, STOCHASTIC_R
             rounded = tl.where(values == values, rounded, bits | 0x400000)  # NaN stays (quiet) NaN
             if STOCHASTIC_ROUND:
                 # functional.round_to_bfloat16_stochastic: 16 random bits below the mantissa.
-                noise = _random_bits16(seed, noise_index)
                 rounded = tl.where(_is_finite(values), (bits + noise) & -65536, rounded)
             values = rounded.to(tl.float32, bitcast=True)
     return values.to(DTYPE)
 
 
 @triton.jit
-def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg_sq, max_exp_avg_sq,
+def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, max_exp_avg_sq,
                  step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt,
-                 eps, seed, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                  STOCHASTIC_ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
     """``functional.adamw_update`` on one half-tile; stores the parameter, returns the moments."""
     param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
@@ -276,7 +281,7 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg
     denom = tl.fma(tl.sqrt(second_moment), inv_bias_correction2_sqrt, eps)
     new_param = tl.fma(-step_size, _divide(new_exp_avg, denom, INTERPRETED), param * decay)
     new_param = tl.where(finite, new_param, param)
-    new_param = _to_param_dtype(new_param, noise_index, seed, param_ptr.dtype.element_ty,
+    new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
                                 STOCHASTIC_ROUND, INTERPRETED)
     tl.store(param_ptr + index, new_param, mask=mask)
     return (tl.where(finite, new_exp_avg, exp_avg), tl.where(finite, new_exp_avg_sq, exp_avg_sq),
@@ -320,8 +325,15 @@ def _adamw_lowbit_kernel(
     cols = tl.arange(0, BLOCK_SIZE // 2)
     low_index = rows[:, None] * BLOCK_SIZE + cols[None, :]
     high_index = low_index + BLOCK_SIZE // 2
-    tile_start = pid.to(tl.int64) * (ROWS * BLOCK_SIZE)
-    tile_index = tile_start + tl.arange(0, ROWS)[:, None] * BLOCK_SIZE + cols[None, :]
+    noise_low = low_index
+    noise_high = low_index
+    if STOCHASTIC_ROUND:
+        # One 32-bit hash per (low, high) element pair: 16 random bits for each.
+        tile_start = pid.to(tl.int64) * (ROWS * BLOCK_SIZE)
+        pair_index = tile_start + tl.arange(0, ROWS)[:, None] * BLOCK_SIZE + cols[None, :]
+        noise = _random_bits32(seed, pair_index)
+        noise_low = (noise & 0xFFFF).to(tl.int32)
+        noise_high = (noise >> 16).to(tl.int32)
 
     param_ptr = param_base + _offset(layout_row, 0, ALIGNED)
     grad_ptr = grad_base + _offset(layout_row, 1, ALIGNED)
@@ -348,14 +360,13 @@ def _adamw_lowbit_kernel(
                                          BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
 
     m_low, v_low, max_low = _update_half(
-        param_ptr, grad_ptr, low_index, row_mask[:, None] & (low_index < numel32), tile_index,
+        param_ptr, grad_ptr, low_index, row_mask[:, None] & (low_index < numel32), noise_low,
         m_low, v_low, max_low, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-        inv_bias_correction2_sqrt, eps, seed, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND, INTERPRETED)
+        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND, INTERPRETED)
     m_high, v_high, max_high = _update_half(
-        param_ptr, grad_ptr, high_index, row_mask[:, None] & (high_index < numel32),
-        tile_index + BLOCK_SIZE // 2, m_high, v_high, max_high, step_size, decay, one_minus_beta1,
-        beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, seed, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND,
-        INTERPRETED)
+        param_ptr, grad_ptr, high_index, row_mask[:, None] & (high_index < numel32), noise_high,
+        m_high, v_high, max_high, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
+        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND, INTERPRETED)
 
     _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_midpoints_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
