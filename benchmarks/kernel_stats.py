@@ -157,8 +157,10 @@ def resource_usage(cubin: bytes) -> dict:
         out = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", file.name], check=True,
                              capture_output=True, text=True).stdout
     usage = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", out))
-    # Triton's n_spills is the local memory size in 4-byte words; this kernel has no local arrays.
-    return {"registers": int(usage["REG"]), "spills": int(usage["LOCAL"]) // 4}
+    # Triton's n_spills is the driver's local memory size per thread in 4-byte words; spilled
+    # registers live in the stack frame (STACK), as this kernel has no local arrays.
+    local_bytes = int(usage["LOCAL"]) + int(usage["STACK"])
+    return {"registers": int(usage["REG"]), "spills": local_bytes // 4, "stack_bytes": int(usage["STACK"])}
 
 
 def _memory_ops(opcodes, prefix):

@@ -76,6 +76,11 @@ from lowbit_optim.quant.formats import QuantFormat
 # Elements per program: 2048 with 4 warps is 16 elements per thread (four 16-byte loads of
 # float32), which keeps the ~10 live float32 values per element in registers.
 GPU_TILE_ELEMENTS = 2048
+# Register cap (ptxas maxnreg) for the aligned launch without amsgrad, the common case: 96 lets
+# five 128-thread programs share an SM (65536 registers) and costs no spill there, except one
+# 4-byte spill slot for 8-bit with float32 parameters on sm_90 (benchmarks/kernel_stats.py).
+# Amsgrad and unaligned launches would spill heavily under it and go uncapped.
+MAX_REGISTERS = 96
 # The interpreter runs programs one after another in Python; bigger tiles mean fewer of them.
 INTERPRETER_TILE_ELEMENTS = 16384
 
@@ -463,5 +468,5 @@ def _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgr
         EXP_AVG_SQ_BITS=exp_avg_sq_format.bits, EXP_AVG_SQ_CODEC=codec_kind(exp_avg_sq_format),
         AMSGRAD=amsgrad, MAXIMIZE=maximize, STOCHASTIC_ROUND=stochastic_round,
         INTERPRETED=device.type == "cpu", ALIGNED=aligned,
-        num_warps=4, enable_fp_fusion=False, maxnreg=96,
+        num_warps=4, enable_fp_fusion=False, maxnreg=MAX_REGISTERS if aligned and not amsgrad else None,
     )
