@@ -77,9 +77,9 @@ from lowbit_optim.quant.formats import QuantFormat
 # float32), which keeps the ~10 live float32 values per element in registers.
 GPU_TILE_ELEMENTS = 2048
 # Register cap (ptxas maxnreg) for the aligned launch without amsgrad, the common case: 96 lets
-# five 128-thread programs share an SM (65536 registers) and costs no spill there, except one
-# 4-byte spill slot for 8-bit with float32 parameters on sm_90 (benchmarks/kernel_stats.py).
-# Amsgrad and unaligned launches would spill heavily under it and go uncapped.
+# five 128-thread programs share an SM (65536 registers) and costs no spill there
+# (benchmarks/kernel_stats.py). Amsgrad and unaligned launches would spill under it and go
+# uncapped.
 MAX_REGISTERS = 96
 # The interpreter runs programs one after another in Python; bigger tiles mean fewer of them.
 INTERPRETER_TILE_ELEMENTS = 16384
@@ -266,7 +266,6 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, m
                  eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                  STOCHASTIC_ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
     """``functional.adamw_update`` on one half-tile; stores the parameter, returns the moments."""
-    param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + index, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         grad = -grad
@@ -284,6 +283,9 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, m
         new_max = tl.where(finite, new_max, max_exp_avg_sq)
     # Approximate sqrt and division, and two explicit FMAs: the bound is in the module docstring.
     denom = tl.fma(tl.sqrt(second_moment), inv_bias_correction2_sqrt, eps)
+    # Loaded where it is needed: under the register cap, loading it with the gradient cost
+    # 8-bit float32 a spill on sm_90.
+    param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
     new_param = tl.fma(-step_size, _divide(new_exp_avg, denom, INTERPRETED), param * decay)
     new_param = tl.where(finite, new_param, param)
     new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
