@@ -3,35 +3,65 @@
 Per element, with ``m, v`` (and ``v_max`` under amsgrad) decoded from their codes,
 ``m = table_m[code_m] * scale_m`` and so on, and ``g`` the gradient (negated if maximize)::
 
-    finite  = isfinite(g);            g = finite ? g : 0
+    finite  = isfinite(g)
     m'      = m + (1 - beta1) * (g - m)
     v'      = v * beta2 + ((1 - beta2) * g) * g
     v_max'  = max(v_max, v')                        (amsgrad; the denominator uses it)
-    denom   = sqrt(v') / sqrt(1 - beta2**t) + eps
+    denom   = sqrt(v') * (1 / sqrt(1 - beta2**t)) + eps
     p'      = p * (1 - lr * weight_decay) - lr / (1 - beta1**t) * (m' / denom)
     (p', m', v', v_max') = finite ? (p', m', v', v_max') : (p, m, v, v_max)
 
 then each moment is requantized per block: ``scale = max |x|`` over the block's finite
-values, ``code = nearest(x / scale)``. This is ``lowbit_optim.functional.quantized_adamw_step``
-operation for operation (the oracle of tests/test_triton.py): scalar factors are formed on the
-host in float64 and rounded to float32 as torch rounds a 0-d double tensor, divisions and
-square roots are IEEE (``div_rn``, ``sqrt_rn``; Triton's plain ``/`` and ``sqrt`` are
-approximate on NVIDIA GPUs) and multiply-add contraction is off (``enable_fp_fusion=False``),
-so each operation rounds as eager torch's does.
+values, ``code = nearest(x * (1 / scale))``. The oracle is
+``lowbit_optim.functional.quantized_adamw_step`` (tests/test_triton.py). The moments
+``m', v', v_max'`` and the block scales are computed operation for operation as there
+(multiply-add contraction is off: ``enable_fp_fusion=False``), so scales match bit for bit.
+Three places trade IEEE-exact forms for cheap ones (issue 14: the IEEE forms cost ~45 SASS
+instructions per element), with these bounds (``RN`` is float32 round-to-nearest):
 
-Encoders (``lowbit_optim.quant.codecs``): 16-entry maps count the 15 midpoints a value
-exceeds; the 8-bit dynamic-tree maps use the same exponent arithmetic as
-``DynamicExponentCodec`` (decade from the logarithm, floor position in the decade, then the
-lower- and upper-midpoint corrections, which also make the result independent of the
-logarithm's last-ulp accuracy). Decoding is one load from the 256- or 16-entry table.
+* Normalisation: one reciprocal per block, ``r = 1 / scale`` (``div.full.f32``: <= 2 ulp on
+  the GPU, correctly rounded under ``TRITON_INTERPRET=1``), then ``x = v * r`` (a block whose
+  scale is below 2**-125, where ``1 / scale`` could overflow, first multiplies ``v`` and
+  ``scale`` by 2**64, which is exact). So ``|x - v / scale| <= (2**-22 + 2**-24) |v / scale|``
+  and ``|x - RN(v / scale)| <= 2**-21 |x|``: a code may differ from the reference's only
+  when the normalised value is within ``2**-21 |x|`` of a bin edge.
+* Encoders: the 16- and 256-entry maps return the number of table midpoints
+  (``(t[i] + t[i + 1]) / 2`` in float32) that ``x`` exceeds, by a branch-free binary search
+  over the midpoints: the first two steps compare with uniform scalars, the others
+  ``tl.gather`` the midpoint from a register tensor, which the compiler stages in shared
+  memory (no per-element global loads). For the 16-entry maps that is ``SmallTableCodec``
+  exactly; ``DynamicExponentCodec`` (8-bit) forms its bin edges in float32 arithmetic,
+  within ``2**-19 |x|`` of these midpoints (tests/test_triton.py::test_encoder_at_bin_edges
+  puts values on and next to every edge). Together: a code differs from the reference's
+  only for normalised values within ``2**-18 |x|`` of a bin edge, and then by one step of the
+  map. The linear map ``(k + 1) / 16`` encodes as ``clamp(ceil(v * (16 r) - 1.5), 0, 15)``
+  with one FMA, a single rounding of a value whose error the normalisation bound already
+  covers (``16 x - 1.5`` itself is exact wherever the ceiling can change), and decodes as
+  ``fma(k, 1/16, 1/16)``, exactly the table's value. 256-entry
+  tables decode with ``tl.gather`` (shared memory), 16-entry ones too.
+* The update: ``sqrt`` is ``sqrt.approx.f32`` (relative error <= 2**-22; a subnormal ``v'``
+  may flush to 0, which moves ``denom`` by less than 2**-63 / sqrt(1 - beta2**t)),
+  ``1 / sqrt(1 - beta2**t)`` is formed on the host and ``+ eps`` is one FMA, and
+  ``m' / denom`` is ``div.approx.ftz.f32`` (<= 2 ulp for ``denom`` in [2**-126, 2**126],
+  which holds for ``eps >= 2**-126``: ``denom <= sqrt(FLT_MAX) / sqrt(1 - beta2**t)``; a
+  subnormal ``m'`` flushes to 0, an error below 2**-126 / eps in the quotient). The quotient
+  ``q`` is then within ``2**-20`` relative of the reference's, and ``p' = fma(-step, q, p *
+  decay)``, so ``|p'_kernel - p'_reference| <= 2**-20 |lr / (1 - beta1**t) * q| + 1 ulp`` of
+  the parameter dtype. Under the interpreter (numpy: every operation IEEE, the division
+  exact) only the host reciprocal and the FMAs differ: ``2**-22`` relative.
 
 Layout: a program takes ``ROWS`` consecutive blocks of one parameter and works on the low and
 high halves of each block, which is exactly the 4-bit packing (byte ``k`` holds element ``k``
 in its low nibble and element ``k + block_size / 2`` in its high nibble). Which parameter a
 program serves, and where that parameter's tensors are, comes from the multi-tensor layout
-(``lowbit_optim.kernels.layout``): one launch covers every parameter of a kind.
+(``lowbit_optim.kernels.layout``): one launch covers every parameter of a kind whose tensors
+are 16-element aligned and whose size is a multiple of 16, with ``tl.multiple_of`` hints so
+that parameters, gradients and codes move with 128-bit loads and stores; the others go to a
+second launch of the unaligned variant, so a misaligned tensor slows only itself. An aligned
+parameter of odd size sends only its last, partial block there (``layout.split_tails``).
 """
 
+import contextlib
 import math
 
 import torch
@@ -39,20 +69,26 @@ import triton
 import triton.language as tl
 
 from lowbit_optim.kernels import layout as layouts
-from lowbit_optim.quant.codecs import DynamicExponentCodec, SmallTableCodec
+from lowbit_optim.kernels import tables
+from lowbit_optim.kernels.tables import codec_kind, device_tables
 from lowbit_optim.quant.formats import QuantFormat
 
 # Elements per program: 2048 with 4 warps is 16 elements per thread (four 16-byte loads of
 # float32), which keeps the ~10 live float32 values per element in registers.
 GPU_TILE_ELEMENTS = 2048
+# Register cap (ptxas maxnreg) for the aligned launch without amsgrad, the common case: 96 lets
+# five 128-thread programs share an SM (65536 registers) and costs no spill there
+# (benchmarks/kernel_stats.py). Amsgrad and unaligned launches would spill under it and go
+# uncapped.
+MAX_REGISTERS = 96
 # The interpreter runs programs one after another in Python; bigger tiles mean fewer of them.
 INTERPRETER_TILE_ELEMENTS = 16384
 
-SMALL_TABLE, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED = 0, 1, 2
-# 16-entry maps: the 15 midpoints. 8-bit: per decade (8 slots each) the scale to [0.1, 1) and the
-# lower midpoint, then the upper midpoint, the zero code, the largest rank, the exponent bits.
-CONSTS_SIZE = 20
-_LOG10_2 = tl.constexpr(0.30102999566398120)
+_LINEAR = tl.constexpr(tables.LINEAR)
+_SIGNED_TABLE = tl.constexpr(tables.SIGNED_TABLE)
+# Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
+_TINY_SCALE = tl.constexpr(2.0**-125)
+_TINY_FACTOR = tl.constexpr(2.0**64)
 
 
 # --- device functions ---------------------------------------------------------------------
@@ -61,7 +97,7 @@ _LOG10_2 = tl.constexpr(0.30102999566398120)
 # was first imported, while these follow the setting when this module is imported.
 @triton.jit
 def _is_finite(x):
-    return (x == x) & (tl.abs(x) != float("inf"))
+    return tl.abs(x) < float("inf")  # False for NaN too: one comparison
 
 
 @triton.jit
@@ -71,87 +107,128 @@ def _row_max(x):
 
 
 @triton.jit
-def _random_bits16(seed, index):
-    """16 uniform random bits per element: the murmur3 finaliser of a seeded counter."""
-    x = index.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32)
+def _random_bits32(seed, index):
+    """32 uniform random bits per index: the murmur3 finaliser of a seeded counter.
+
+    ``index`` is int64 and both of its halves enter the hash, so indices 2**32 apart in a
+    launch (groups can be that large) do not share their noise."""
+    high = (index >> 32).to(tl.uint32)
+    x = index.to(tl.uint32) * 0x9E3779B1 + (seed.to(tl.uint32) ^ (high * 0x85EBCA77))
     x ^= x >> 16
     x *= 0x85EBCA6B
     x ^= x >> 13
     x *= 0xC2B2AE35
     x ^= x >> 16
-    return (x >> 16).to(tl.int32)
+    return x
 
 
 @triton.jit
-def _load_moment(codes_ptr, scales_ptr, table_ptr, rows, cols, row_mask,
-                 BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr):
+def _random_bits16(seed, index):
+    """16 uniform random bits per index (the high half of ``_random_bits32``)."""
+    return (_random_bits32(seed, index) >> 16).to(tl.int32)
+
+
+@triton.jit
+def _lookup(values, index, SIZE: tl.constexpr):
+    """``values[index]`` for a 3-D ``index`` and a 1-D ``values`` of ``SIZE`` entries held in
+    registers (``tl.gather`` works on equal ranks; the reshapes keep the element order)."""
+    flat = tl.reshape(index, [index.shape[0] * index.shape[1] * index.shape[2]])
+    return tl.reshape(tl.gather(values, flat, 0), [index.shape[0], index.shape[1], index.shape[2]])
+
+
+@triton.jit
+def _divide(numerator, denominator, INTERPRETED: tl.constexpr):
+    """``div.approx.ftz.f32`` (``MUFU.RCP`` and a multiply; <= 2 ulp for denominators in
+    [2**-126, 2**126], subnormal numerators and results flushed to 0). Triton's own
+    ``fdiv(approx=True)`` keeps subnormal support, which costs four more instructions. The
+    interpreter has no inline PTX: there it divides exactly (numpy)."""
+    if INTERPRETED:
+        return numerator / denominator
+    else:
+        return tl.inline_asm_elementwise("div.approx.ftz.f32 $0, $1, $2;", "=r,r,r",
+                                         [numerator, denominator], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _decode(codes, table, BITS: tl.constexpr, CODEC: tl.constexpr):
+    if CODEC == _LINEAR:
+        # k / 2**bits + 1 / 2**bits in one FMA: exactly (k + 1) / 2**bits, the table's value.
+        return tl.fma(codes.to(tl.float32), 1.0 / (1 << BITS), 1.0 / (1 << BITS))
+    else:
+        return _lookup(table, codes, 1 << BITS)
+
+
+@triton.jit
+def _load_moment(codes_ptr, scales_ptr, table, rows, cols, row_mask,
+                 BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, CODEC: tl.constexpr):
     """Decode ``ROWS`` blocks: float32 (low half, high half), each ``(ROWS, BLOCK_SIZE // 2)``."""
     mask = row_mask[:, None]
     scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)[:, None]
     if BITS == 8:
         index = rows[:, None] * BLOCK_SIZE + cols[None, :]
-        low = tl.load(codes_ptr + index, mask=mask, other=0)
-        high = tl.load(codes_ptr + index + BLOCK_SIZE // 2, mask=mask, other=0)
+        low = tl.load(codes_ptr + index, mask=mask, other=0).to(tl.int32)
+        high = tl.load(codes_ptr + index + BLOCK_SIZE // 2, mask=mask, other=0).to(tl.int32)
     else:
-        packed = tl.load(codes_ptr + rows[:, None] * (BLOCK_SIZE // 2) + cols[None, :], mask=mask, other=0)
+        packed = tl.load(codes_ptr + rows[:, None] * (BLOCK_SIZE // 2) + cols[None, :], mask=mask,
+                         other=0).to(tl.int32)
         low = packed & 0x0F
         high = packed >> 4
-    return (tl.load(table_ptr + low.to(tl.int32)) * scale,
-            tl.load(table_ptr + high.to(tl.int32)) * scale)
+    # Both halves in one tensor: one gather (one staging of the table) for both.
+    values = _decode(tl.join(low, high), table, BITS, CODEC) * scale[:, :, None]
+    return tl.split(values)
 
 
 @triton.jit
-def _encode(values, scale, consts_ptr, CODEC: tl.constexpr):
-    """Nearest code of ``values / scale`` (``scale`` broadcast per row), as int32."""
-    safe_scale = tl.where(scale > 0, scale, 1.0)
-    normalized = tl.where(scale > 0, tl.math.div_rn(values, safe_scale), 0.0)
-    normalized = tl.where(normalized == normalized, normalized, 0.0)
-    normalized = tl.minimum(tl.maximum(normalized, -1.0), 1.0)
-    if CODEC == 0:
-        code = tl.full(normalized.shape, 0, tl.int32)
-        for i in tl.static_range(15):
-            code += (normalized > tl.load(consts_ptr + i)).to(tl.int32)
+def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC: tl.constexpr):
+    """Nearest code of ``values / scale`` given per-row ``reciprocal = 1 / (scale * factor)``."""
+    # No clamp to [-1, 1]: both encoders give values beyond +-1 (inf, or 1 + 1 ulp from the
+    # reciprocal) the code of +-1 already. NaN arises only as inf * 0, an overflowed moment in
+    # a block whose finite values are all 0, and must encode as 0 does (the reference's
+    # normalised value is 0 there): the linear encoder's NaN-dropping clamp and the search
+    # (which puts NaN below every midpoint: code 0) do that by themselves when code 0 is the
+    # code nearest 0; signed maps select.
+    if CODEC == _LINEAR:
+        # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped;
+        # one FMA with the per-row 2**bits / scale rounds once where x * 2**bits - 1.5 would
+        # round twice (the bound covers both).
+        levels: tl.constexpr = 1 << BITS
+        code = tl.math.ceil(tl.fma(values * factor, reciprocal * levels, -1.5))
+        code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
     else:
-        magnitude = tl.abs(normalized)
-        exponent_bits = tl.load(consts_ptr + 19)
-        # The floor of 1e-30 clamps to decade 0 as log10(0) = -inf does, without the -inf.
-        decade = tl.floor(tl.log2(tl.maximum(magnitude, 1e-30)) * _LOG10_2) + exponent_bits
-        decade = tl.minimum(tl.maximum(decade, 0.0), exponent_bits - 1.0).to(tl.int32)
-        # Decade d holds 2**d codes (2**(d + 1) unsigned) after 2**d - 1 (2**(d + 1) - 2) smaller
-        # ones: exact integer arithmetic saves two of the four table loads per element.
-        if CODEC == 2:
-            count = (2 << decade).to(tl.float32)
-            first = count - 2.0
-        else:
-            count = (1 << decade).to(tl.float32)
-            first = count - 1.0
-        shift = tl.load(consts_ptr + decade)
-        lower = tl.load(consts_ptr + 8 + decade)
-        position = tl.floor(tl.math.div_rn((magnitude * shift - 0.1) * count, 0.9))
-        rank = first + tl.minimum(tl.maximum(position, 0.0), count - 1.0)
-        rank = tl.where(magnitude < lower, first - 1.0, rank)
-        max_rank = tl.load(consts_ptr + 18)
-        rank = tl.where(magnitude >= tl.load(consts_ptr + 16), max_rank, rank)
-        zero_code = tl.load(consts_ptr + 17)
-        if CODEC == 1:
-            code_value = tl.where(normalized >= 0, zero_code + 1.0 + rank,
-                                  zero_code - 1.0 - tl.minimum(rank, max_rank - 1.0))
-        else:
-            code_value = rank + (zero_code + 1.0)
-        code = code_value.to(tl.int32)
+        normalized = (values * factor) * reciprocal
+        if CODEC == _SIGNED_TABLE:
+            normalized = tl.where(normalized == normalized, normalized, 0.0)
+        # Branch-free binary search: after it, code = number of midpoints below x. The first
+        # two steps compare with uniform scalars (no gather); the rest gather the midpoint.
+        size: tl.constexpr = 1 << BITS
+        upper = normalized > tl.load(midpoints_ptr + (size // 2 - 1))
+        quarter = tl.where(upper, tl.load(midpoints_ptr + (3 * size // 4 - 1)),
+                           tl.load(midpoints_ptr + (size // 4 - 1)))
+        code = tl.where(upper, size // 2, 0) + tl.where(normalized > quarter, size // 4, 0)
+        midpoints = tl.load(midpoints_ptr + tl.arange(0, size))
+        for level in tl.static_range(2, BITS):
+            midpoint = _lookup(midpoints, code + ((1 << (BITS - 1 - level)) - 1), size)
+            code += tl.where(normalized > midpoint, 1 << (BITS - 1 - level), 0)
     return code
 
 
 @triton.jit
-def _store_moment(low, high, codes_ptr, scales_ptr, consts_ptr, rows, cols, row_mask,
+def _store_moment(low, high, codes_ptr, scales_ptr, midpoints_ptr, rows, cols, row_mask,
                   BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, CODEC: tl.constexpr):
     """Requantize ``ROWS`` blocks given as (low half, high half); write codes and scales."""
     low_abs = tl.where(_is_finite(low), tl.abs(low), 0.0)
     high_abs = tl.where(_is_finite(high), tl.abs(high), 0.0)
     scale = tl.maximum(_row_max(low_abs), _row_max(high_abs))
     tl.store(scales_ptr + rows, scale, mask=row_mask)
-    low_code = _encode(low, scale[:, None], consts_ptr, CODEC)
-    high_code = _encode(high, scale[:, None], consts_ptr, CODEC)
+    tiny = scale < _TINY_SCALE
+    factor = tl.where(tiny, _TINY_FACTOR, 1.0)
+    # One (approximate, <= 2 ulp) division per block; 0 for an all-zero block, whose values
+    # then encode as 0.
+    reciprocal = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale * factor, 1.0), 0.0)
+    # Both halves in one tensor: one search (one staging of the midpoints per step) for both.
+    both = tl.join(low, high)
+    code = _encode(both, reciprocal[:, None, None], factor[:, None, None], midpoints_ptr, BITS, CODEC)
+    low_code, high_code = tl.split(code)
     mask = row_mask[:, None]
     if BITS == 8:
         index = rows[:, None] * BLOCK_SIZE + cols[None, :]
@@ -163,39 +240,38 @@ def _store_moment(low, high, codes_ptr, scales_ptr, consts_ptr, rows, cols, row_
 
 
 @triton.jit
-def _to_param_dtype(values, noise_index, seed, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
-                    INTEGER_BF16_ROUNDING: tl.constexpr):
+def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     """float32 -> the parameter's dtype; bfloat16 optionally by stochastic rounding.
 
-    ``INTEGER_BF16_ROUNDING`` rounds to nearest even with integer operations, for the
-    interpreter, whose float32 -> bfloat16 cast truncates; the result is then exact in
+    ``INTERPRETED`` rounds to nearest even with integer operations: the interpreter's
+    float32 -> bfloat16 cast truncates; the result is then exact in
     bfloat16, so the final cast cannot round again.
     """
     if DTYPE == tl.bfloat16:
-        if STOCHASTIC_ROUND or INTEGER_BF16_ROUNDING:
+        if STOCHASTIC_ROUND or INTERPRETED:
             bits = values.to(tl.int32, bitcast=True)
             rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
             rounded = tl.where(values == values, rounded, bits | 0x400000)  # NaN stays (quiet) NaN
             if STOCHASTIC_ROUND:
                 # functional.round_to_bfloat16_stochastic: 16 random bits below the mantissa.
-                noise = _random_bits16(seed, noise_index)
                 rounded = tl.where(_is_finite(values), (bits + noise) & -65536, rounded)
             values = rounded.to(tl.float32, bitcast=True)
     return values.to(DTYPE)
 
 
 @triton.jit
-def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                 step_size, decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt,
-                 eps, seed, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 STOCHASTIC_ROUND: tl.constexpr, INTEGER_BF16_ROUNDING: tl.constexpr):
+def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                 step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt,
+                 eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 STOCHASTIC_ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
     """``functional.adamw_update`` on one half-tile; stores the parameter, returns the moments."""
-    param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + index, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         grad = -grad
+    # A non-finite gradient makes the new values NaN or inf; the selects below put back the
+    # old ones, so the gradient itself needs no cleaning.
     finite = _is_finite(grad)
-    grad = tl.where(finite, grad, 0.0)
     new_exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
     # torch addcmul order, ((1 - beta2) * g) * g: g * g first overflows float32 sooner.
     new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
@@ -205,11 +281,15 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg
         new_max = tl.maximum(max_exp_avg_sq, new_exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)
         second_moment = new_max
         new_max = tl.where(finite, new_max, max_exp_avg_sq)
-    denom = tl.math.div_rn(tl.sqrt_rn(second_moment), bias_correction2_sqrt) + eps
-    new_param = param * decay - step_size * tl.math.div_rn(new_exp_avg, denom)
+    # Approximate sqrt and division, and two explicit FMAs: the bound is in the module docstring.
+    denom = tl.fma(tl.sqrt(second_moment), inv_bias_correction2_sqrt, eps)
+    # Loaded where it is needed: under the register cap, loading it with the gradient cost
+    # 8-bit float32 a spill on sm_90.
+    param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
+    new_param = tl.fma(-step_size, _divide(new_exp_avg, denom, INTERPRETED), param * decay)
     new_param = tl.where(finite, new_param, param)
-    new_param = _to_param_dtype(new_param, noise_index, seed, param_ptr.dtype.element_ty,
-                                STOCHASTIC_ROUND, INTEGER_BF16_ROUNDING)
+    new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
+                                STOCHASTIC_ROUND, INTERPRETED)
     tl.store(param_ptr + index, new_param, mask=mask)
     return (tl.where(finite, new_exp_avg, exp_avg), tl.where(finite, new_exp_avg_sq, exp_avg_sq),
             new_max)
@@ -219,8 +299,8 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise_index, exp_avg, exp_avg
 def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr):
     offset = tl.load(layout_row + column)
     if ALIGNED:
-        # Every tensor starts a multiple of 16 elements from its list's base (checked on the
-        # host), so the loads below vectorise although the offset comes from memory.
+        # Every tensor of an aligned launch starts a multiple of 16 elements from its list's
+        # base (checked on the host), so the loads below vectorise.
         offset = tl.multiple_of(offset, 16)
     return offset
 
@@ -229,26 +309,38 @@ def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr):
 def _adamw_lowbit_kernel(
     param_base, grad_base, exp_avg_codes_base, exp_avg_scales_base, exp_avg_sq_codes_base,
     exp_avg_sq_scales_base, max_codes_base, max_scales_base, layout_ptr, program_param_ptr,
-    exp_avg_table, exp_avg_consts, exp_avg_sq_table, exp_avg_sq_consts,
-    step_size, decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, seed,
+    exp_avg_table_ptr, exp_avg_midpoints_ptr, exp_avg_sq_table_ptr, exp_avg_sq_midpoints_ptr,
+    step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, seed,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
     EXP_AVG_BITS: tl.constexpr, EXP_AVG_CODEC: tl.constexpr,
     EXP_AVG_SQ_BITS: tl.constexpr, EXP_AVG_SQ_CODEC: tl.constexpr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
-    INTEGER_BF16_ROUNDING: tl.constexpr, ALIGNED: tl.constexpr,
+    INTERPRETED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     param_index = tl.load(program_param_ptr + pid)
     layout_row = layout_ptr + param_index * LAYOUT_COLUMNS
     numel = tl.load(layout_row + 8)
+    if ALIGNED:
+        numel = tl.multiple_of(numel, 16)  # the host sends only sizes that are multiples of 16
     first_program = tl.load(layout_row + 9)
-    rows = (pid - first_program) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < (numel + BLOCK_SIZE - 1) // BLOCK_SIZE
+    # Offsets within one parameter's tensors fit in 32 bits (the host checks numel < 2**31);
+    # the tensor bases from the layout stay 64-bit, as a group can exceed 2**31 elements.
+    numel32 = numel.to(tl.int32)
+    rows = (pid - first_program.to(tl.int32)) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < (numel32 + BLOCK_SIZE - 1) // BLOCK_SIZE
     cols = tl.arange(0, BLOCK_SIZE // 2)
     low_index = rows[:, None] * BLOCK_SIZE + cols[None, :]
     high_index = low_index + BLOCK_SIZE // 2
-    tile_start = pid.to(tl.int64) * (ROWS * BLOCK_SIZE)
-    tile_index = tile_start + tl.arange(0, ROWS)[:, None] * BLOCK_SIZE + cols[None, :]
+    noise_low = low_index
+    noise_high = low_index
+    if STOCHASTIC_ROUND:
+        # One 32-bit hash per (low, high) element pair: 16 random bits for each.
+        tile_start = pid.to(tl.int64) * (ROWS * BLOCK_SIZE)
+        pair_index = tile_start + tl.arange(0, ROWS)[:, None] * BLOCK_SIZE + cols[None, :]
+        noise = _random_bits32(seed, pair_index)
+        noise_low = (noise & 0xFFFF).to(tl.int32)
+        noise_high = (noise >> 16).to(tl.int32)
 
     param_ptr = param_base + _offset(layout_row, 0, ALIGNED)
     grad_ptr = grad_base + _offset(layout_row, 1, ALIGNED)
@@ -257,76 +349,42 @@ def _adamw_lowbit_kernel(
     exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, 4, ALIGNED)
     exp_avg_sq_scales = exp_avg_sq_scales_base + _offset(layout_row, 5, ALIGNED)
 
+    # The maps' tables, once per program, held in registers (gathers read them from shared
+    # memory); the linear map needs none.
+    exp_avg_table = tl.load(exp_avg_table_ptr + tl.arange(0, 1 << EXP_AVG_BITS))
+    exp_avg_sq_table = tl.load(exp_avg_sq_table_ptr + tl.arange(0, 1 << EXP_AVG_SQ_BITS))
+
     m_low, m_high = _load_moment(exp_avg_codes, exp_avg_scales, exp_avg_table, rows, cols, row_mask,
-                                 BLOCK_SIZE, EXP_AVG_BITS)
+                                 BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
     v_low, v_high = _load_moment(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_table, rows, cols,
-                                 row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS)
+                                 row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
     max_low = v_low
     max_high = v_high
     if AMSGRAD:
         max_codes = max_codes_base + _offset(layout_row, 6, ALIGNED)
         max_scales = max_scales_base + _offset(layout_row, 7, ALIGNED)
         max_low, max_high = _load_moment(max_codes, max_scales, exp_avg_sq_table, rows, cols, row_mask,
-                                         BLOCK_SIZE, EXP_AVG_SQ_BITS)
+                                         BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
 
     m_low, v_low, max_low = _update_half(
-        param_ptr, grad_ptr, low_index, row_mask[:, None] & (low_index < numel), tile_index,
+        param_ptr, grad_ptr, low_index, row_mask[:, None] & (low_index < numel32), noise_low,
         m_low, v_low, max_low, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-        bias_correction2_sqrt, eps, seed, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND, INTEGER_BF16_ROUNDING)
+        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND, INTERPRETED)
     m_high, v_high, max_high = _update_half(
-        param_ptr, grad_ptr, high_index, row_mask[:, None] & (high_index < numel),
-        tile_index + BLOCK_SIZE // 2, m_high, v_high, max_high, step_size, decay, one_minus_beta1,
-        beta2, one_minus_beta2, bias_correction2_sqrt, eps, seed, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND,
-        INTEGER_BF16_ROUNDING)
+        param_ptr, grad_ptr, high_index, row_mask[:, None] & (high_index < numel32), noise_high,
+        m_high, v_high, max_high, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
+        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, STOCHASTIC_ROUND, INTERPRETED)
 
-    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_consts, rows, cols, row_mask,
+    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_midpoints_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
-    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_consts, rows, cols,
+    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_midpoints_ptr, rows, cols,
                   row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
     if AMSGRAD:
-        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_consts, rows, cols, row_mask,
-                      BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
+        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_midpoints_ptr, rows, cols,
+                      row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
 
 
 # --- host side ----------------------------------------------------------------------------
-def codec_kind(fmt: QuantFormat) -> int:
-    codec = fmt.codec
-    if isinstance(codec, SmallTableCodec) and codec.table.numel() == 16:
-        return SMALL_TABLE
-    if isinstance(codec, DynamicExponentCodec) and codec.exponent_bits <= 8:
-        # The kernel forms the per-decade code counts as powers of two (see _encode).
-        extra = 0 if codec.signed else 1
-        if codec._counts == [2 ** (d + extra) for d in range(codec.exponent_bits)]:
-            return DYNAMIC_SIGNED if codec.signed else DYNAMIC_UNSIGNED
-    raise ValueError(f"format {fmt.name!r} has no Triton encoder")
-
-
-def codec_constants(fmt: QuantFormat) -> torch.Tensor:
-    """The encoder's constants as the kernel reads them (float32, ``CONSTS_SIZE`` entries)."""
-    codec = fmt.codec
-    consts = [0.0] * CONSTS_SIZE
-    if codec_kind(fmt) == SMALL_TABLE:
-        consts[:15] = codec._midpoints
-    else:
-        top = codec.exponent_bits - 1
-        for decade in range(codec.exponent_bits):
-            consts[decade] = 10.0 ** (top - decade)
-            consts[8 + decade] = codec._lower_midpoints[decade]
-        consts[16:20] = [codec._upper_midpoint, codec._zero_code, codec._max_rank, codec.exponent_bits]
-    return torch.tensor(consts, dtype=torch.float32)
-
-
-_DEVICE_TABLES: dict = {}
-
-
-def _device_tables(fmt: QuantFormat, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decode table, encoder constants) on ``device``: copied there once per process."""
-    key = (fmt.name, device)
-    if key not in _DEVICE_TABLES:
-        _DEVICE_TABLES[key] = (fmt.table.to(device), codec_constants(fmt).to(device))
-    return _DEVICE_TABLES[key]
-
-
 # Decided when the kernel was defined: Triton reads TRITON_INTERPRET in its @jit decorator.
 _INTERPRETED = type(_adamw_lowbit_kernel).__name__ == "InterpretedFunction"
 
@@ -347,7 +405,7 @@ def host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay
         one_minus_beta1=1 - beta1,
         beta2=beta2,
         one_minus_beta2=1 - beta2,
-        bias_correction2_sqrt=math.sqrt(1 - beta2**step),
+        inv_bias_correction2_sqrt=1 / math.sqrt(1 - beta2**step),
         eps=eps,
     )
 
@@ -356,7 +414,8 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
            exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, scalars: dict[str, float],
            *, exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
            maximize: bool, stochastic_round: bool, seed: int) -> None:
-    """One launch for every parameter given; updates params and moments in place.
+    """Update params and moments in place: one launch for the parameters whose tensors are
+    aligned (``layout.split_aligned``), one for the rest, where there are any.
 
     ``params``/``grads`` are contiguous tensors of one dtype each; each moment is a list of
     ``(codes, scales)`` pairs laid out as in ``QuantizedState``; ``scalars`` comes from
@@ -364,6 +423,9 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     """
     if not params:
         return
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two block_size (got {block_size}): "
+                         "tl.arange spans half a block")
     device = params[0].device
     if device.type == "cpu" and not is_interpreted():
         raise RuntimeError(
@@ -373,25 +435,40 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     for name, tensors in (("params", params), ("grads", grads)):
         if any(t.device != device or t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors):
             raise ValueError(f"{name} must be contiguous tensors of one dtype on {device}")
+    if any(p.numel() >= 2**31 for p in params):
+        raise ValueError("a parameter of 2**31 elements or more: the kernel indexes within a tensor in int32")
     amsgrad = max_exp_avg_sq is not None
     tile = INTERPRETER_TILE_ELEMENTS if device.type == "cpu" else GPU_TILE_ELEMENTS
     rows = max(1, tile // block_size)
     moments = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg_sq]
     tensor_lists = [params, grads] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
-    layout = layouts.get_layout(tensor_lists, [p.numel() for p in params], block_size, rows, device)
-    exp_avg_table, exp_avg_consts = _device_tables(exp_avg_format, device)
-    exp_avg_sq_table, exp_avg_sq_consts = _device_tables(exp_avg_sq_format, device)
-    bases = [tensors[0] for tensors in tensor_lists]
+    tensor_lists = layouts.split_tails(tensor_lists, block_size)
+    tables = device_tables(exp_avg_format, device) + device_tables(exp_avg_sq_format, device)
+    for aligned, indices in layouts.split_aligned(tensor_lists):
+        lists = [[tensors[i] for i in indices] for tensors in tensor_lists]
+        numels = [tensor_lists[0][i].numel() for i in indices]
+        with device_guard(device):
+            _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
+                        stochastic_round and params[0].dtype == torch.bfloat16, seed, exp_avg_format,
+                        exp_avg_sq_format, device)
+
+
+def device_guard(device: torch.device):
+    """Launch on the parameters' device (and so on its current stream), whichever is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
+                stochastic_round, seed, exp_avg_format, exp_avg_sq_format, device) -> None:
+    layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned)
     _adamw_lowbit_kernel[(layout.num_programs,)](
-        *bases, layout.table, layout.program_param,
-        exp_avg_table, exp_avg_consts, exp_avg_sq_table, exp_avg_sq_consts,
+        *[tensors[0] for tensors in lists], layout.table, layout.program_param, *tables,
         scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
-        scalars["one_minus_beta2"], scalars["bias_correction2_sqrt"], scalars["eps"], seed,
+        scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"], seed,
         BLOCK_SIZE=block_size, ROWS=rows, LAYOUT_COLUMNS=layouts.LAYOUT_COLUMNS,
         EXP_AVG_BITS=exp_avg_format.bits, EXP_AVG_CODEC=codec_kind(exp_avg_format),
         EXP_AVG_SQ_BITS=exp_avg_sq_format.bits, EXP_AVG_SQ_CODEC=codec_kind(exp_avg_sq_format),
-        AMSGRAD=amsgrad, MAXIMIZE=maximize,
-        STOCHASTIC_ROUND=stochastic_round and params[0].dtype == torch.bfloat16,
-        INTEGER_BF16_ROUNDING=device.type == "cpu", ALIGNED=layout.aligned,
-        num_warps=4, enable_fp_fusion=False,
+        AMSGRAD=amsgrad, MAXIMIZE=maximize, STOCHASTIC_ROUND=stochastic_round,
+        INTERPRETED=device.type == "cpu", ALIGNED=aligned,
+        num_warps=4, enable_fp_fusion=False, maxnreg=MAX_REGISTERS if aligned and not amsgrad else None,
     )

@@ -11,12 +11,19 @@ two small device tensors:
   receives as a typed pointer; then ``numel`` and the parameter's first program;
 * ``program_param`` (int32, one entry per program): the parameter's row.
 
+A launch is either aligned (every tensor 16 bytes aligned, every offset and ``numel`` a
+multiple of 16 elements: the kernel promises that with ``tl.multiple_of`` and moves
+parameters, gradients and codes with 128-bit accesses) or not; ``split_aligned`` sorts a
+group's parameters into the two, so one odd tensor does not slow the rest of its group.
+
 Offsets from a base pointer, rather than raw addresses, keep every pointer typed, so one
 kernel serves every parameter dtype without casting integers to pointers. Building a layout
 copies it to the device, so layouts are cached by the tensors' addresses and sizes: while
 they stay where they are (parameters and states always do; gradients do when they are kept
 between steps or the caching allocator hands back the same blocks), a step launches
-without any host-to-device copy.
+without any host-to-device copy. The cache key includes the lists' dtypes: the same
+addresses with other element sizes give other offsets. A new table is built with tensor
+operations and copied from pinned memory without blocking the host.
 """
 
 from collections import OrderedDict
@@ -43,15 +50,63 @@ class Layout:
 _CACHE: OrderedDict = OrderedDict()
 
 
+def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list[list[torch.Tensor]]:
+    """Split a parameter whose tensors are 16-byte aligned but whose size is not a multiple of
+    16 into its whole blocks, which can take the aligned launch, and its last, partial block,
+    which takes the unaligned one (a block is never split: its scale is its maximum)."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in tensor_lists]
+    for index, param in enumerate(tensor_lists[0]):
+        tensors = [tensors[index] for tensors in tensor_lists]
+        whole_blocks = param.numel() // block_size
+        body = whole_blocks * block_size
+        odd_size = param.numel() % ALIGNMENT_ELEMENTS != 0
+        if (odd_size and whole_blocks and body % ALIGNMENT_ELEMENTS == 0
+                and all(t.data_ptr() % 16 == 0 for t in tensors)):
+            split = [(t[:body], t[body:]) if position < 2 else (t[:whole_blocks], t[whole_blocks:])
+                     for position, t in enumerate(tensors)]
+            for piece_list, (head, tail) in zip(pieces, split):
+                piece_list += [head, tail]
+        else:
+            for piece_list, tensor in zip(pieces, tensors):
+                piece_list.append(tensor)
+    return pieces
+
+
+def split_aligned(tensor_lists: list[list[torch.Tensor]]) -> list[tuple[bool, list[int]]]:
+    """``[(aligned, parameter indices), ...]``: the parameters that can share an aligned launch
+    (with the first such parameter as the base of every list), then the rest; empty parts are
+    left out."""
+    num_params = len(tensor_lists[0])
+    sizes = [tensors[0].element_size() for tensors in tensor_lists]
+    aligned, rest, bases = [], [], None
+    for index in range(num_params):
+        addresses = [tensors[index].data_ptr() for tensors in tensor_lists]
+        ok = tensor_lists[0][index].numel() % ALIGNMENT_ELEMENTS == 0 and all(a % 16 == 0 for a in addresses)
+        if ok and bases is not None:
+            ok = all((a - b) % (size * ALIGNMENT_ELEMENTS) == 0
+                     for a, b, size in zip(addresses, bases, sizes))
+        if ok and bases is None:
+            bases = addresses
+        (aligned if ok else rest).append(index)
+    return [(flag, indices) for flag, indices in ((True, aligned), (False, rest)) if indices]
+
+
 def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_size: int, rows: int,
-               device: torch.device) -> Layout:
-    """The layout for these tensors (eight lists, one tensor per parameter in each)."""
+               device: torch.device, *, aligned: bool = False) -> Layout:
+    """The layout for these tensors (eight lists, one tensor per parameter in each).
+
+    ``aligned=True`` asserts what ``split_aligned`` checked; it is verified again on a build.
+    """
     addresses = tuple(tuple(t.data_ptr() for t in tensors) for tensors in tensor_lists)
-    key = (device, block_size, rows, addresses, tuple(numels))
+    dtypes = tuple(tensors[0].dtype for tensors in tensor_lists)
+    key = (device, block_size, rows, aligned, dtypes, addresses, tuple(numels))
     layout = _CACHE.get(key)
     if layout is None:
         element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
         layout = _build(addresses, element_sizes, numels, block_size, rows, device)
+        if aligned and not (layout.aligned and all(n % ALIGNMENT_ELEMENTS == 0 for n in numels)):
+            raise ValueError("tensors are not aligned as an aligned launch needs (see split_aligned)")
+        layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned)
         _CACHE[key] = layout
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -61,27 +116,32 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
 
 
 def _build(addresses, element_sizes, numels, block_size, rows, device) -> Layout:
+    """The table and program map, computed with tensor operations (no Python loop per tensor)."""
     num_params = len(numels)
-    table = torch.zeros(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
-    aligned = True
-    for column, (column_addresses, size) in enumerate(zip(addresses, element_sizes)):
-        base = column_addresses[0]
-        aligned &= base % 16 == 0
-        for row, address in enumerate(column_addresses):
-            offset, remainder = divmod(address - base, size)
-            if remainder:
-                raise ValueError("tensor addresses are not whole elements apart")
-            aligned &= offset % ALIGNMENT_ELEMENTS == 0
-            table[row, column] = offset
-    programs = torch.tensor([_ceil_div(_ceil_div(n, block_size), rows) for n in numels], dtype=torch.int64)
-    table[:, NUMEL] = torch.tensor(numels, dtype=torch.int64)
+    address = torch.tensor(addresses, dtype=torch.int64)  # (8 lists, params)
+    sizes = torch.tensor(element_sizes, dtype=torch.int64)[:, None]
+    delta = address - address[:, :1]
+    if bool((delta % sizes).any()):
+        raise ValueError("tensor addresses are not whole elements apart")
+    offsets = delta // sizes
+    aligned = bool((address[:, 0] % 16 == 0).all()) and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
+    numel = torch.tensor(numels, dtype=torch.int64)
+    blocks = (numel + block_size - 1) // block_size
+    programs = (blocks + rows - 1) // rows
+    table = torch.empty(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
+    table[:, :NUMEL] = offsets.t()
+    table[:, NUMEL] = numel
     table[:, FIRST_PROGRAM] = torch.cumsum(programs, 0) - programs
     program_param = torch.repeat_interleave(torch.arange(num_params, dtype=torch.int32), programs)
-    return Layout(table.to(device), program_param.to(device), int(programs.sum()), aligned)
+    return Layout(_to_device(table, device), _to_device(program_param, device), int(programs.sum()), aligned)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CUDA: through pinned memory, without blocking the host (the caching host allocator keeps
+    the pinned buffer until the copy has run)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def clear_cache() -> None:

@@ -38,13 +38,15 @@ def adamw_lowbit_step(
     exp_avg_sq_codes: list[Tensor], exp_avg_sq_scales: list[Tensor], max_exp_avg_sq_codes: list[Tensor],
     max_exp_avg_sq_scales: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
     weight_decay: Tensor, step: Tensor, *, exp_avg_format: str, exp_avg_sq_format: str, maximize: bool,
-    stochastic_round: bool,
+    stochastic_round: bool, seed: int | None = None,
 ) -> None:
     """One quantized AdamW step for every parameter given, in place, in one launch.
 
     ``params`` (contiguous, one dtype) and ``grads`` (one dtype) pair up with the moments'
     codes and scales (``QuantizedState.codes``/``.scales``); the ``max_exp_avg_sq`` lists are
-    empty unless amsgrad is on. All parameters share ``step``.
+    empty unless amsgrad is on. All parameters share ``step``. ``seed`` (bfloat16 stochastic
+    rounding only): the noise seed, e.g. from ``stochastic_round_seed`` and a counter the
+    caller keeps; ``None`` draws one from torch's CPU generator (which that consumes).
     """
     exp_avg_fmt, exp_avg_sq_fmt = get_format(exp_avg_format), get_format(exp_avg_sq_format)
     amsgrad = bool(max_exp_avg_sq_codes)
@@ -64,10 +66,13 @@ def adamw_lowbit_step(
         raise ValueError("params must be contiguous (step_group handles non-contiguous ones)")
     names = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
     values = [_host_float(n, v) for n, v in zip(names, (lr, beta1, beta2, eps, weight_decay, step))]
-    seed = 0
-    if stochastic_round and params[0].dtype == torch.bfloat16:
+    if not (stochastic_round and params[0].dtype == torch.bfloat16):
+        seed = 0
+    elif seed is None:
         # From torch's CPU generator, so torch.manual_seed makes runs repeatable.
         seed = int(torch.randint(2**31 - 1, ()))
+    elif not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be in [0, 2**31) (got {seed})")
 
     def pairs(codes, scales):
         return list(zip(codes, scales))
@@ -85,8 +90,18 @@ def adamw_lowbit_step(
 @adamw_lowbit_step.register_fake
 def _(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
       max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step, *,
-      exp_avg_format, exp_avg_sq_format, maximize, stochastic_round):
+      exp_avg_format, exp_avg_sq_format, maximize, stochastic_round, seed=None):
     return None
+
+
+def stochastic_round_seed(counter: int, stream: int = 0) -> int:
+    """A 31-bit noise seed from a counter (the splitmix64 finaliser), for callers that keep
+    their own counter (per optimizer, saved with its state) instead of drawing from torch's
+    global CPU generator. ``stream`` separates independent users of one counter."""
+    x = (counter * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 31)) % 2**31
 
 
 def _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fmt) -> None:
@@ -107,11 +122,13 @@ def _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fm
 
 
 def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
-               weight_decay: Tensor, *, maximize: bool, stochastic_round: bool) -> None:
+               weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
+               seed: int | None = None) -> None:
     """Step quantized parameters of one param group, one launch per kind.
 
     ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
     ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced).
+    ``seed``: as in ``adamw_lowbit_step`` (each kind's launch gets its own stream of it).
     """
     kinds: dict[tuple, list[tuple]] = {}
     for entry in entries:
@@ -119,7 +136,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
         key = (exp_avg.format_name, exp_avg_sq.format_name, exp_avg.block_size, param.dtype, grad.dtype,
                param.device, float(step), max_exp_avg_sq is not None)
         kinds.setdefault(key, []).append(entry)
-    for kind in kinds.values():
+    for index, kind in enumerate(kinds.values()):
         params = [e[0].detach() for e in kind]
         # The kernel needs contiguous memory; a non-contiguous parameter steps a copy.
         work = [p if p.is_contiguous() else p.contiguous() for p in params]
@@ -136,6 +153,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
             *inner(moments[2] if amsgrad else [None]), lr, beta1, beta2, eps, weight_decay, kind[0][5],
             exp_avg_format=kind[0][2].format_name, exp_avg_sq_format=kind[0][3].format_name,
             maximize=maximize, stochastic_round=stochastic_round,
+            seed=None if seed is None else stochastic_round_seed(seed, index),
         )
         for param, copy in zip(params, work):
             if copy is not param:

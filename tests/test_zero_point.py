@@ -1,0 +1,94 @@
+"""No element's update blows up, whatever the gradients (issue 16: the zero-point hazard).
+
+Adam's own bound. With ``m_t = (1 - b1) sum_k b1**k g_{t-k}`` and ``v_t = (1 - b2) sum_k
+b2**k g_{t-k}**2``, Cauchy-Schwarz gives ``|m_t| <= (1 - b1) sqrt(sum_k (b1**2 / b2)**k)
+sqrt(v_t / (1 - b2))``, so with ``gamma = b1**2 / b2 < 1``
+
+    |m_hat / sqrt(v_hat)| <= (1 - b1) / sqrt((1 - b2) (1 - gamma)) * sqrt(1 - b2**t) / (1 - b1**t)
+
+(7.27 * sqrt(1 - b2**t) / (1 - b1**t) for the default betas). Quantized moments add their
+rounding: the stored first moment can be larger than the true one and the second smaller.
+``QUANTIZATION_ALLOWANCE`` bounds that factor: a map with no zero code never decodes a
+positive second moment below about half its true value (its smallest positive step), and the
+first moment's error is a fraction of its block's largest value. A second-moment code that
+decodes to exactly 0 while the first moment is not 0 (the hazard: ``lr * m_hat / eps``) breaks
+the bound by orders of magnitude.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowbit_optim import AdamW4bit, AdamW8bit
+
+OPTIMIZERS = [AdamW8bit, AdamW4bit]
+BETAS = (0.9, 0.999)
+QUANTIZATION_ALLOWANCE = 4.0
+
+
+def adam_bound(step: int, betas=BETAS) -> float:
+    beta1, beta2 = betas
+    gamma = beta1**2 / beta2
+    ratio = (1 - beta1) / math.sqrt((1 - beta2) * (1 - gamma))
+    return ratio * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_zero_point_repro_moves_at_most_ten_times_torch(cls):
+    """The issue's repro: a gradient 1e-4 next to 1.0 in one block, then 0. The old 8-bit
+    second moment decoded the small element's v to 0 and moved it by -4.20 (torch: -0.00167)."""
+    def run(make):
+        param = torch.nn.Parameter(torch.zeros(4096))
+        optimizer = make([param])
+        grad = torch.full((4096,), 1e-4)
+        grad[::256] = 1.0
+        for step_grad in (grad, torch.zeros(4096)):
+            param.grad = step_grad.clone()
+            optimizer.step()
+        return param[1].item()
+
+    expected = run(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    actual = run(lambda ps: cls(ps, lr=1e-3))
+    assert abs(actual) <= 10 * abs(expected), (actual, expected)
+    assert actual < 0, "still moves against the gradient"
+
+
+MAGNITUDES = st.sampled_from([0.0, 1e-30, 1e-12, 1e-8, 1e-4, 1e-2, 1.0, 1e4, 1e12])
+
+
+@st.composite
+def gradient_sequences(draw):
+    """A few steps of one 128-element block: tiny and huge magnitudes side by side, whole
+    steps of zeros (a dead unit, an embedding row not in the batch), sign flips."""
+    steps = draw(st.integers(2, 6))
+    sequence = []
+    for _ in range(steps):
+        if draw(st.booleans()) and sequence:
+            sequence.append([0.0] * 8)
+            continue
+        magnitudes = draw(st.lists(MAGNITUDES, min_size=8, max_size=8))
+        signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=8, max_size=8))
+        sequence.append([m * s for m, s in zip(magnitudes, signs)])
+    return sequence
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@settings(max_examples=40, deadline=None)
+@given(sequence=gradient_sequences())
+def test_no_update_exceeds_adams_bound(cls, sequence):
+    """Each of 8 patterns repeated over a 128-element block (so every block holds every
+    magnitude); lr 1, no weight decay: the move of every element at every step stays within
+    Adam's bound times the quantization allowance."""
+    param = torch.nn.Parameter(torch.zeros(8, 16))
+    optimizer = cls([param], lr=1.0, betas=BETAS, weight_decay=0.0, min_quant_size=0,
+                    block_size=128, backend="eager")
+    for step, values in enumerate(sequence, start=1):
+        before = param.detach().clone()
+        param.grad = torch.tensor(values).repeat_interleave(16).view(8, 16)
+        optimizer.step()
+        moved = (param.detach() - before).abs().max().item()
+        bound = QUANTIZATION_ALLOWANCE * adam_bound(step)
+        assert moved <= bound, (step, moved, bound)
