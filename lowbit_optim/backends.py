@@ -82,7 +82,7 @@ class ParamStep(NamedTuple):
 
 def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
           eps: torch.Tensor, weight_decay: torch.Tensor, maximize: bool, stochastic_round: bool,
-          backend: str, scratch: "TailScratch") -> None:
+          backend: str, scratch: "TailScratch", rounding_stream: int | None = None) -> None:
     """The functional AdamW step over one param group's parameters, in place.
 
     Hyperparameters are 0-d CPU tensors (``hyperparams.GroupScalars``). Each parameter goes to
@@ -90,7 +90,7 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
     ones together, a fixed number of kernels for any number of them); quantized ones one by
     one to the compiled (or eager) step, or, with ``backend="triton"``, all together to the
     Triton kernel (one launch per kind), except float64 parameters, which the kernel does not
-    take and the compiled step does.
+    take and the compiled step does. ``rounding_stream``: see ``kernels.step_group``.
     """
     grouped, float_state = [], {}
     for entry in entries:
@@ -122,8 +122,8 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
     if grouped:
         from lowbit_optim import kernels  # imports Triton: only when the backend is in use
 
-        kernels.step_group(grouped, lr, beta1, beta2, eps, weight_decay,
-                           maximize=maximize, stochastic_round=stochastic_round)
+        kernels.step_group(grouped, lr, beta1, beta2, eps, weight_decay, maximize=maximize,
+                           stochastic_round=stochastic_round, rounding_stream=rounding_stream)
 
 
 def _with_own_code_object(fn, name: str):

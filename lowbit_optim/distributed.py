@@ -21,6 +21,13 @@ from lowbit_optim.quant.formats import QuantFormat
 from lowbit_optim.state import QuantizedState
 
 
+def rank() -> int:
+    """This process's rank in the default process group (0 without one): ranks step different
+    shards, so their stochastic-rounding noise must differ too."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
+
+
 def is_dtensor(tensor) -> bool:
     return isinstance(tensor, DTensor)
 

@@ -220,13 +220,14 @@ class LowBitAdamW(Optimizer):
         scalars = [self._scalars(i) for i in range(len(self.param_groups))]
         for group_scalars, group in zip(scalars, self.param_groups):
             group_scalars.refresh(group)
-        for group, group_scalars in zip(self.param_groups, scalars):
+        for index, (group, group_scalars) in enumerate(zip(self.param_groups, scalars)):
             backends.adamw(
                 self._init_group(group),
                 lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
                 eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
                 maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
                 backend=self.backend, scratch=self._tail_scratch,
+                rounding_stream=(distributed.rank() << 16) | index,
             )
 
     def _init_group(self, group: dict) -> list[backends.ParamStep]:

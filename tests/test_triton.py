@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA, assert_close_verbose
 
-from lowbit_optim import AdamW4bit, AdamW8bit, backends
+from lowbit_optim import AdamW4bit, AdamW8bit, backends, distributed
 from lowbit_optim.functional import quantized_adamw_step
 from lowbit_optim.quant.formats import get_format
 from lowbit_optim.state import QuantizedState
@@ -582,23 +582,24 @@ def test_device_guard_is_the_parameters_device():
 
 
 @pytest.mark.usefixtures("interpreter")
-def test_stochastic_rounding_seed_from_a_counter():
-    """An explicit seed (from a caller's counter) repeats without torch's generator and leaves
-    its state alone; another counter value gives other noise."""
+def test_stochastic_rounding_seed_from_the_step_count_and_a_stream():
+    """With a rounding stream the noise is a function of (stream, step count): it repeats
+    without torch's generator and leaves its state alone; another stream (another rank or
+    group) or another step count gives other noise."""
     results = []
-    for counter in (5, 5, 6):
+    for stream, step in ((5, 1.0), (5, 1.0), (6, 1.0), (5, 2.0)):
         torch.manual_seed(11)
         param, states = make_case(600, "4bit", torch.bfloat16)
         grad = gradient(600, torch.bfloat16)
-        torch.manual_seed(counter * 1000)  # a different global state each time
+        torch.manual_seed(stream * 1000)  # a different global state each time
         rng_before = torch.get_rng_state()
-        entries = [(param, grad, states[0], states[1], None, torch.tensor(1.0))]
+        entries = [(param, grad, states[0], states[1], None, torch.tensor(step))]
         kernels.step_group(entries, *hyper_tensors(1e-2, (0.9, 0.999), 0.0, 1)[:5], maximize=False,
-                           stochastic_round=True, seed=counter)
+                           stochastic_round=True, rounding_stream=stream)
         assert torch.equal(torch.get_rng_state(), rng_before)
         results.append(param)
     assert torch.equal(results[0], results[1])
-    assert not torch.equal(results[0], results[2])
+    assert not torch.equal(results[0], results[2]) and not torch.equal(results[0], results[3])
     seeds = {kernels.stochastic_round_seed(c, s) for c in range(100) for s in range(3)}
     assert len(seeds) == 300 and all(0 <= s < 2**31 for s in seeds)
 
@@ -620,3 +621,35 @@ def test_random_bits_use_the_whole_64_bit_index():
     low, high, higher, _ = out.view(4, 256)
     assert (low != high).float().mean() > 0.95 and (low != higher).float().mean() > 0.95
     assert int(out.min()) >= 0 and int(out.max()) < 2**16
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_optimizer_stochastic_rounding_resumes_exactly_without_rng_state(monkeypatch):
+    """The optimizer's noise comes from its step counts and its rank: a run resumed from a
+    state dict (torch's generator not restored) matches the uninterrupted one bit for bit,
+    the user's random stream is untouched, and another rank rounds differently."""
+    torch.manual_seed(0)
+    start = torch.randn(64, 80).bfloat16()
+    grads = [torch.randn(64, 80).bfloat16() for _ in range(4)]
+
+    def run(steps, resume_from=None):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = AdamW4bit([param], bf16_stochastic_round=True, min_quant_size=0, backend="triton")
+        if resume_from is not None:
+            param.data.copy_(resume_from[0])
+            optimizer.load_state_dict(resume_from[1])
+        for grad in steps:
+            param.grad = grad.clone()
+            rng_before = torch.get_rng_state()
+            optimizer.step()
+            assert torch.equal(torch.get_rng_state(), rng_before)
+        return param.detach().clone(), optimizer.state_dict()
+
+    uninterrupted, _ = run(grads)
+    middle = run(grads[:2])
+    torch.manual_seed(123)  # a fresh process: another generator state
+    resumed, _ = run(grads[2:], resume_from=middle)
+    assert torch.equal(resumed, uninterrupted)
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    other_rank, _ = run(grads)
+    assert not torch.equal(other_rank, uninterrupted)

@@ -123,12 +123,16 @@ def _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fm
 
 def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
                weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
-               seed: int | None = None) -> None:
+               rounding_stream: int | None = None) -> None:
     """Step quantized parameters of one param group, one launch per kind.
 
     ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
     ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced).
-    ``seed``: as in ``adamw_lowbit_step`` (each kind's launch gets its own stream of it).
+    ``rounding_stream`` (bfloat16 stochastic rounding): when given, each kind's noise seed is
+    ``stochastic_round_seed(its step count, stream)`` with ``stream`` made of
+    ``rounding_stream`` and the kind's index: a pure function of what the optimizer saves, so a
+    resumed run draws the same noise and torch's random stream is never touched. ``None``:
+    drawn from torch's CPU generator.
     """
     kinds: dict[tuple, list[tuple]] = {}
     for entry in entries:
@@ -153,7 +157,8 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
             *inner(moments[2] if amsgrad else [None]), lr, beta1, beta2, eps, weight_decay, kind[0][5],
             exp_avg_format=kind[0][2].format_name, exp_avg_sq_format=kind[0][3].format_name,
             maximize=maximize, stochastic_round=stochastic_round,
-            seed=None if seed is None else stochastic_round_seed(seed, index),
+            seed=None if rounding_stream is None
+            else stochastic_round_seed(int(float(kind[0][5])), (rounding_stream << 10) | index),
         )
         for param, copy in zip(params, work):
             if copy is not param:
