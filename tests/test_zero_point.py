@@ -24,7 +24,10 @@ from hypothesis import strategies as st
 
 from lowbit_optim import AdamW4bit, AdamW8bit
 
-OPTIMIZERS = [AdamW8bit, AdamW4bit]
+# The 8-bit second-moment map still has an exact zero (issue 16 is open): the hazard is
+# demonstrated, strictly, until the zero-free map lands.
+HAZARD = pytest.mark.xfail(strict=True, reason="issue 16: the 8-bit second-moment map has a zero code")
+OPTIMIZERS = [pytest.param(AdamW8bit, marks=HAZARD), AdamW4bit]
 BETAS = (0.9, 0.999)
 QUANTIZATION_ALLOWANCE = 4.0
 

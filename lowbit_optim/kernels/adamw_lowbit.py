@@ -441,16 +441,19 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     tile = INTERPRETER_TILE_ELEMENTS if device.type == "cpu" else GPU_TILE_ELEMENTS
     rows = max(1, tile // block_size)
     moments = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg_sq]
-    tensor_lists = [params, grads] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
+    # Flat views: the layout and the kernel address every tensor as a flat array.
+    tensor_lists = [[p.view(-1) for p in params], [g.view(-1) for g in grads]]
+    tensor_lists += [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
     tensor_lists = layouts.split_tails(tensor_lists, block_size)
     tables = device_tables(exp_avg_format, device) + device_tables(exp_avg_sq_format, device)
-    for aligned, indices in layouts.split_aligned(tensor_lists):
+    address = layouts.addresses_of(tensor_lists)
+    for aligned, indices in layouts.split_aligned(tensor_lists, address):
         lists = [[tensors[i] for i in indices] for tensors in tensor_lists]
         numels = [tensor_lists[0][i].numel() for i in indices]
         with device_guard(device):
             _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
                         stochastic_round and params[0].dtype == torch.bfloat16, seed, exp_avg_format,
-                        exp_avg_sq_format, device)
+                        exp_avg_sq_format, device, address[:, indices])
 
 
 def device_guard(device: torch.device):
@@ -459,8 +462,8 @@ def device_guard(device: torch.device):
 
 
 def _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
-                stochastic_round, seed, exp_avg_format, exp_avg_sq_format, device) -> None:
-    layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned)
+                stochastic_round, seed, exp_avg_format, exp_avg_sq_format, device, address) -> None:
+    layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned, address=address)
     _adamw_lowbit_kernel[(layout.num_programs,)](
         *[tensors[0] for tensors in lists], layout.table, layout.program_param, *tables,
         scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],

@@ -50,10 +50,18 @@ class Layout:
 _CACHE: OrderedDict = OrderedDict()
 
 
+def addresses_of(tensor_lists: list[list[torch.Tensor]]) -> torch.Tensor:
+    """int64 ``(lists, parameters)``: every tensor's address, read once per launch and shared
+    by ``split_aligned`` and ``get_layout``."""
+    return torch.tensor([[t.data_ptr() for t in tensors] for tensors in tensor_lists], dtype=torch.int64)
+
+
 def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list[list[torch.Tensor]]:
     """Split a parameter whose tensors are 16-byte aligned but whose size is not a multiple of
     16 into its whole blocks, which can take the aligned launch, and its last, partial block,
     which takes the unaligned one (a block is never split: its scale is its maximum)."""
+    if all(param.numel() % ALIGNMENT_ELEMENTS == 0 for param in tensor_lists[0]):
+        return tensor_lists  # the common case: nothing to split
     pieces: list[list[torch.Tensor]] = [[] for _ in tensor_lists]
     for index, param in enumerate(tensor_lists[0]):
         tensors = [tensors[index] for tensors in tensor_lists]
@@ -72,38 +80,38 @@ def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list
     return pieces
 
 
-def split_aligned(tensor_lists: list[list[torch.Tensor]]) -> list[tuple[bool, list[int]]]:
+def split_aligned(tensor_lists: list[list[torch.Tensor]],
+                  address: torch.Tensor | None = None) -> list[tuple[bool, list[int]]]:
     """``[(aligned, parameter indices), ...]``: the parameters that can share an aligned launch
     (with the first such parameter as the base of every list), then the rest; empty parts are
-    left out."""
-    num_params = len(tensor_lists[0])
-    sizes = [tensors[0].element_size() for tensors in tensor_lists]
-    aligned, rest, bases = [], [], None
-    for index in range(num_params):
-        addresses = [tensors[index].data_ptr() for tensors in tensor_lists]
-        ok = tensor_lists[0][index].numel() % ALIGNMENT_ELEMENTS == 0 and all(a % 16 == 0 for a in addresses)
-        if ok and bases is not None:
-            ok = all((a - b) % (size * ALIGNMENT_ELEMENTS) == 0
-                     for a, b, size in zip(addresses, bases, sizes))
-        if ok and bases is None:
-            bases = addresses
-        (aligned if ok else rest).append(index)
+    left out. ``address``: ``addresses_of(tensor_lists)`` if already read."""
+    address = addresses_of(tensor_lists) if address is None else address
+    sizes = torch.tensor([tensors[0].element_size() for tensors in tensor_lists], dtype=torch.int64)
+    numel = torch.tensor([t.numel() for t in tensor_lists[0]], dtype=torch.int64)
+    ok = (numel % ALIGNMENT_ELEMENTS == 0) & (address % 16 == 0).all(dim=0)
+    if bool(ok.any()):
+        base = address[:, int(ok.nonzero()[0])][:, None]
+        ok &= ((address - base) % (sizes[:, None] * ALIGNMENT_ELEMENTS) == 0).all(dim=0)
+    aligned, rest = ok.nonzero().flatten().tolist(), (~ok).nonzero().flatten().tolist()
     return [(flag, indices) for flag, indices in ((True, aligned), (False, rest)) if indices]
 
 
 def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_size: int, rows: int,
-               device: torch.device, *, aligned: bool = False) -> Layout:
+               device: torch.device, *, aligned: bool = False,
+               address: torch.Tensor | None = None) -> Layout:
     """The layout for these tensors (eight lists, one tensor per parameter in each).
 
     ``aligned=True`` asserts what ``split_aligned`` checked; it is verified again on a build.
+    ``address``: ``addresses_of(tensor_lists)`` if already read.
     """
-    addresses = tuple(tuple(t.data_ptr() for t in tensors) for tensors in tensor_lists)
+    address = addresses_of(tensor_lists) if address is None else address
     dtypes = tuple(tensors[0].dtype for tensors in tensor_lists)
-    key = (device, block_size, rows, aligned, dtypes, addresses, tuple(numels))
+    # The addresses as bytes: one cheap key however many parameters there are.
+    key = (device, block_size, rows, aligned, dtypes, address.numpy().tobytes(), tuple(numels))
     layout = _CACHE.get(key)
     if layout is None:
         element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
-        layout = _build(addresses, element_sizes, numels, block_size, rows, device)
+        layout = _build(address, element_sizes, numels, block_size, rows, device)
         if aligned and not (layout.aligned and all(n % ALIGNMENT_ELEMENTS == 0 for n in numels)):
             raise ValueError("tensors are not aligned as an aligned launch needs (see split_aligned)")
         layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned)
@@ -115,10 +123,10 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
     return layout
 
 
-def _build(addresses, element_sizes, numels, block_size, rows, device) -> Layout:
-    """The table and program map, computed with tensor operations (no Python loop per tensor)."""
+def _build(address, element_sizes, numels, block_size, rows, device) -> Layout:
+    """The table and program map, computed with tensor operations (no Python loop per tensor).
+    ``address``: int64 ``(lists, parameters)``."""
     num_params = len(numels)
-    address = torch.tensor(addresses, dtype=torch.int64)  # (8 lists, params)
     sizes = torch.tensor(element_sizes, dtype=torch.int64)[:, None]
     delta = address - address[:, :1]
     if bool((delta % sizes).any()):

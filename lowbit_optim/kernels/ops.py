@@ -48,6 +48,20 @@ def adamw_lowbit_step(
     rounding only): the noise seed, e.g. from ``stochastic_round_seed`` and a counter the
     caller keeps; ``None`` draws one from torch's CPU generator (which that consumes).
     """
+    _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
+                max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step,
+                exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format, maximize=maximize,
+                stochastic_round=stochastic_round, seed=seed, check_states=True)
+
+
+def _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
+                max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step, *,
+                exp_avg_format: str, exp_avg_sq_format: str, maximize: bool, stochastic_round: bool,
+                seed: int | None, check_states: bool) -> None:
+    """The op's implementation. ``check_states=False`` skips the per-parameter shape checks of
+    codes and scales: ``step_group`` passes the optimizer's own states, made by
+    ``QuantizedState.zeros`` and checked by ``load_state_dict``, and the checks cost ~3 us per
+    parameter per step (benchmarks/bench_host_overhead.py)."""
     exp_avg_fmt, exp_avg_sq_fmt = get_format(exp_avg_format), get_format(exp_avg_sq_format)
     amsgrad = bool(max_exp_avg_sq_codes)
     lists = [grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales]
@@ -60,8 +74,9 @@ def adamw_lowbit_step(
     if not params:
         return
     block_size = exp_avg_codes[0].shape[-1] * exp_avg_fmt.codes_per_byte
-    for param, codes_and_scales in zip(params, zip(*lists[1:])):
-        _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fmt)
+    if check_states:
+        for param, codes_and_scales in zip(params, zip(*lists[1:])):
+            _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fmt)
     if any(not p.is_contiguous() for p in params):
         raise ValueError("params must be contiguous (step_group handles non-contiguous ones)")
     names = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
@@ -78,8 +93,7 @@ def adamw_lowbit_step(
         return list(zip(codes, scales))
 
     adamw_lowbit.launch(
-        [p.view(-1) for p in params], [g.reshape(-1) for g in grads],
-        pairs(exp_avg_codes, exp_avg_scales), pairs(exp_avg_sq_codes, exp_avg_sq_scales),
+        params, grads, pairs(exp_avg_codes, exp_avg_scales), pairs(exp_avg_sq_codes, exp_avg_sq_scales),
         pairs(max_exp_avg_sq_codes, max_exp_avg_sq_scales) if amsgrad else None,
         adamw_lowbit.host_scalars(*values),
         exp_avg_format=exp_avg_fmt, exp_avg_sq_format=exp_avg_sq_fmt, block_size=block_size,
@@ -152,14 +166,24 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
                 return [], []
             return [s.codes for s in states], [s.scales for s in states]
 
-        torch.ops.lowbit_optim.adamw_lowbit_step(
+        arguments = (
             work, [e[1].detach().contiguous() for e in kind], *inner(moments[0]), *inner(moments[1]),
             *inner(moments[2] if amsgrad else [None]), lr, beta1, beta2, eps, weight_decay, kind[0][5],
+        )
+        options = dict(
             exp_avg_format=kind[0][2].format_name, exp_avg_sq_format=kind[0][3].format_name,
             maximize=maximize, stochastic_round=stochastic_round,
             seed=None if rounding_stream is None
             else stochastic_round_seed(int(float(kind[0][5])), (rounding_stream << 10) | index),
         )
+        if torch.compiler.is_compiling():
+            torch.ops.lowbit_optim.adamw_lowbit_step(*arguments, **options)
+        else:
+            # Eager (the optimizer's step is a graph break): the op's implementation without
+            # the dispatcher's per-tensor bookkeeping, which cost ~5 us per parameter. Only the
+            # parameters are visible to autograd, so only their version counters move.
+            _step_lists(*arguments, **options, check_states=False)
+            torch._C._increment_version(work)
         for param, copy in zip(params, work):
             if copy is not param:
                 param.copy_(copy)
