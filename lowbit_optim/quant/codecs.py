@@ -15,8 +15,11 @@ binary search with a gather per step compiles to scalar code on CPU (shared FIND
   midpoints where decades meet. It decodes with one gather from the table
   (``aten._unsafe_index``: the codes are bytes, so no bounds check is needed, and Inductor
   emits none). An arithmetic decode was tried: ``10**(d - 6) * (0.1 + 0.9 * (j + 0.5) /
-  count)`` in float32 misses the table by an ulp for 33 of the 127 signed magnitudes (the
-  table is built from ``linspace`` midpoints), so the gather stays.
+  count)`` in float32 misses the table by an ulp for 33 of the 127 signed magnitudes; the
+  ``linspace`` edges rebuilt exactly (``0.1 + step * i`` below ``(count + 1) // 2``, else
+  ``1 - step * (count - i)``, each rounded once, formed in float64) match all 256 entries,
+  but compiled 2x slower than the gather (float64 vectors, and Inductor recomputes the
+  decode in every pass), so the gather stays.
 
 Every encoder returns exactly the codes of the first formulation (``log10`` for the
 decade, a sum of 15 comparisons): ``tests/test_formats.py`` checks this against that
