@@ -162,7 +162,13 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
 
-    corrections = _bias_corrections_op(beta1, beta2, step)
+    # On CPU, once per call (see _bias_corrections_op). Elsewhere inline, as before: the op's
+    # 0-d results are CPU tensors made inside the graph, and whether Inductor passes those to
+    # a GPU kernel as it passes 0-d CPU graph inputs was not checked (no GPU at hand).
+    if param.device.type == "cpu":
+        corrections = _bias_corrections_op(beta1, beta2, step)
+    else:
+        corrections = bias_corrections(beta1, beta2, step)
     new_params, new_exp_avgs, new_exp_avg_sqs, new_maxes = [], [], [], []
     for index, param_part in enumerate(param_parts):
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
