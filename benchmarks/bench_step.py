@@ -8,17 +8,29 @@ hardware.
 
     python benchmarks/bench_step.py                       # ours + torch, + peers installed
     python benchmarks/bench_step.py --optimizers lowbit_4bit torch_adamw --cache warm
+    python benchmarks/bench_step.py --threads 1 --out bench_out/bench_step_1t.json
+
+Besides wall-clock time, each row records the process CPU time per step (all threads): on a
+machine shared with other work, wall time swings with the load while CPU time at one thread
+stays close to the cost of the step itself.
 """
 
 import argparse
 import json
+import os
 import pathlib
+import statistics
 import sys
+import time
 
-import torch
+# The package of this checkout, not whichever one is installed: the workers run this file as
+# a script, so their sys.path starts at benchmarks/, not at the repository root.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from lowbit_optim import state_bytes
-from lowbit_optim.bench import harness
+import torch  # noqa: E402
+
+from lowbit_optim import state_bytes  # noqa: E402
+from lowbit_optim.bench import harness  # noqa: E402
 
 DEFAULT_OPTIMIZERS = ("torch_adamw", "torch_adamw_foreach", "lowbit_8bit", "lowbit_4bit",
                       *harness.PEERS)
@@ -37,7 +49,11 @@ def measure(name: str, steps: int, warmup: int) -> dict:
     graphs_after_first = harness.compiled_graphs()
     for _ in range(warmup):
         optimizer.step()
-    seconds = [harness.timed(optimizer.step, device) for _ in range(steps)]
+    seconds, cpu_seconds = [], []
+    for _ in range(steps):
+        cpu_start = time.process_time()
+        seconds.append(harness.timed(optimizer.step, device))
+        cpu_seconds.append(time.process_time() - cpu_start)
     num_params = sum(p.numel() for p in model.parameters())
     return {
         "optimizer": name,
@@ -45,6 +61,8 @@ def measure(name: str, steps: int, warmup: int) -> dict:
         "params": num_params,
         "step_ms": harness.median_ms(seconds),
         "step_ms_min": 1e3 * min(seconds),
+        "cpu_ms": 1e3 * statistics.median(cpu_seconds),
+        "threads": torch.get_num_threads(),
         "first_step_s": first_step_s,
         "graphs": harness.compiled_graphs(),
         "recompiles_after_first_step": harness.compiled_graphs() - graphs_after_first,
@@ -61,6 +79,8 @@ COLUMNS = [
     harness.Column("optimizer", "label"),
     harness.Column("ms/step (median)", "step_ms", "{:.1f}"),
     harness.Column("x torch fused", "vs_fused", "{:.1f}x"),
+    harness.Column("CPU ms/step", "cpu_ms", "{:.1f}"),
+    harness.Column("x fused (CPU)", "cpu_vs_fused", "{:.1f}x"),
     harness.Column("first step s", "first_step_s", "{:.2f}"),
     harness.Column("graphs", "graphs"),
     harness.Column("recompiles", "recompiles_after_first_step"),
@@ -75,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold",
                         help="cold: an empty Inductor cache per optimizer; warm: the usual one")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the workers "
+                        "(default: as set, else torch's default)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out/bench_step.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -82,6 +104,8 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args.worker, args.steps, args.warmup)))
         return 0
 
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the workers
     names, skipped = harness.resolve_optimizers(args.optimizers, all_names=DEFAULT_OPTIMIZERS)
     if skipped:
         print(f"skipped (not installed): {', '.join(skipped)}", file=sys.stderr)
@@ -89,12 +113,14 @@ def main(argv=None) -> int:
     for name in names:
         print(f"{name} ...", file=sys.stderr, flush=True)
         rows.append(run_isolated(name, args))
-    fused = next((row["step_ms"] for row in rows if row["optimizer"] == "torch_adamw"), None)
+    fused = next((row for row in rows if row["optimizer"] == "torch_adamw"), None)
     for row in rows:
-        row["vs_fused"] = row["step_ms"] / fused if fused else None
+        row["vs_fused"] = row["step_ms"] / fused["step_ms"] if fused else None
+        row["cpu_vs_fused"] = row["cpu_ms"] / fused["cpu_ms"] if fused else None
     env = harness.environment(torch.device("cpu"))
+    env["torch_threads"] = rows[0]["threads"]  # the workers' (OMP_NUM_THREADS), not this process's
     config = {"model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False) fp32", "steps": args.steps,
-              "warmup": args.warmup, "cache": args.cache}
+              "warmup": args.warmup, "cache": args.cache, "threads": rows[0]["threads"]}
     harness.report(args.out, "step", rows, COLUMNS, env=env, config=config,
                    heading=f"{config['model']}, {rows[0]['params'] / 1e6:.2f}M params, "
                            f"{args.cache} compile cache; {harness.machine_line(env)}")

@@ -25,17 +25,48 @@ def compute_dtype(param: torch.Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+def bias_corrections(beta1, beta2, step):
+    """``(1 - beta1**step, sqrt(1 - beta2**step))``, from 0-d tensors (float64 betas)."""
+    return 1 - beta1**step, (1 - beta2**step).sqrt()
+
+
+@torch.library.custom_op("lowbit_optim::bias_corrections", mutates_args=())
+def _bias_corrections_op(beta1: torch.Tensor, beta2: torch.Tensor,
+                         step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bias_corrections`` as an operator Inductor cannot see into.
+
+    Inductor inlines 0-d computations into every loop that uses them, and its C++ is built
+    with ``-fmath-errno``, so the compiler cannot hoist ``std::pow`` out of the loop: the two
+    float64 powers then ran once per 16 elements in every pass (measured: a pow and a sqrt
+    in a loop over 10.5M float32 values, 31 ms against 17 ms at 1 thread). Computed once
+    here, the loops read two numbers.
+    """
+    return tuple(value.clone() for value in bias_corrections(beta1, beta2, step))
+
+
+@_bias_corrections_op.register_fake
+def _(beta1, beta2, step):
+    shape = torch.broadcast_shapes(beta1.shape, beta2.shape, step.shape)
+    dtype = torch.promote_types(beta1.dtype, step.dtype)
+    return beta1.new_empty(shape, dtype=dtype), beta2.new_empty(shape, dtype=dtype)
+
+
 def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
-                 weight_decay, step, maximize: bool):
+                 weight_decay, step, maximize: bool, corrections=None):
     """One AdamW step on float32 (or float64) values.
 
     Returns the new ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq)``.
 
-    ``max_exp_avg_sq`` is ``None`` unless amsgrad is on. Pure: inputs are not modified.
+    ``max_exp_avg_sq`` is ``None`` unless amsgrad is on. ``corrections``, if given, is
+    ``bias_corrections(beta1, beta2, step)`` computed beforehand. Pure: inputs are not
+    modified.
     """
     grad = -grad if maximize else grad
     finite = torch.isfinite(grad)
-    safe_grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+    # Not nan_to_num: Inductor's CPU code tests NaN element by element in a scalar loop for
+    # it; the same zeros come from the finite mask (masked_fill, unlike where with a Python
+    # number, makes no tensor from the number in eager mode: tests/test_schedules.py).
+    safe_grad = grad.masked_fill(~finite, 0.0)
 
     # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv),
     # so that float32 state tracks it to within rounding.
@@ -49,8 +80,9 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
         new_max = torch.maximum(max_exp_avg_sq, new_exp_avg_sq)
         second_moment = new_max
 
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    if corrections is None:
+        corrections = bias_corrections(beta1, beta2, step)
+    bias_correction1, bias_correction2_sqrt = corrections
     step_size = lr / bias_correction1
     denom = second_moment.sqrt() / bias_correction2_sqrt + eps
     new_param = param * (1 - lr * weight_decay) - step_size * (new_exp_avg / denom)
@@ -133,28 +165,51 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
     ``None`` unless amsgrad is on. Only tensors are taken, so ``torch.compile`` traces it
     once per state kind and parameter dtype, whatever the parameter's shape.
     """
+    # Each ``split`` slice of the blocks (the low and high halves for 4-bit, whose codes share
+    # bytes; the whole block for 8-bit) is decoded, updated and encoded on its own and only
+    # the packed bytes combine them: Inductor then computes both nibbles of a byte in the loop
+    # that writes it instead of materialising unpacked codes and whole-block float buffers.
     # float64 parameters are updated in float64 (their moments are quantized all the same).
     dtype = compute_dtype(param)
-    exp_avg = exp_avg_format.dequantize_blocks(exp_avg_codes, exp_avg_scales).to(dtype)
-    exp_avg_sq = exp_avg_sq_format.dequantize_blocks(exp_avg_sq_codes, exp_avg_sq_scales).to(dtype)
-    max_exp_avg_sq = None
+    exp_avg = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
+    exp_avg_sq = exp_avg_sq_format.decode_parts(exp_avg_sq_codes, exp_avg_sq_scales)
+    max_exp_avg_sq = [None] * len(exp_avg)
     if max_codes is not None:
-        max_exp_avg_sq = exp_avg_sq_format.dequantize_blocks(max_codes, max_scales).to(dtype)
+        max_exp_avg_sq = exp_avg_sq_format.decode_parts(max_codes, max_scales)
+    param_parts = exp_avg_format.split(param)
+    grad_parts = exp_avg_format.split(grad)
 
-    new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
-        param.to(dtype), grad.to(dtype), exp_avg, exp_avg_sq, max_exp_avg_sq,
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-        maximize=maximize,
-    )
+    # On CPU, once per call (see _bias_corrections_op). Elsewhere inline, as before: the op's
+    # 0-d results are CPU tensors made inside the graph, and whether Inductor passes those to
+    # a GPU kernel as it passes 0-d CPU graph inputs was not checked (no GPU at hand).
+    if param.device.type == "cpu":
+        corrections = _bias_corrections_op(beta1, beta2, step)
+    else:
+        corrections = bias_corrections(beta1, beta2, step)
+    new_params, new_exp_avgs, new_exp_avg_sqs, new_maxes = [], [], [], []
+    for index, param_part in enumerate(param_parts):
+        new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
+            param_part.to(dtype), grad_parts[index].to(dtype), exp_avg[index].to(dtype),
+            exp_avg_sq[index].to(dtype),
+            None if max_codes is None else max_exp_avg_sq[index].to(dtype),
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+            maximize=maximize, corrections=corrections,
+        )
+        new_params.append(new_param)
+        new_exp_avgs.append(new_exp_avg)
+        new_exp_avg_sqs.append(new_exp_avg_sq)
+        new_maxes.append(new_max)
 
-    codes, scales = exp_avg_format.quantize_blocks(new_exp_avg)
+    codes, scales = exp_avg_format.encode_parts(new_exp_avgs)
     exp_avg_codes.copy_(codes)
     exp_avg_scales.copy_(scales)
-    codes, scales = exp_avg_sq_format.quantize_blocks(new_exp_avg_sq)
+    codes, scales = exp_avg_sq_format.encode_parts(new_exp_avg_sqs)
     exp_avg_sq_codes.copy_(codes)
     exp_avg_sq_scales.copy_(scales)
     if max_codes is not None:
-        codes, scales = exp_avg_sq_format.quantize_blocks(new_max)
+        codes, scales = exp_avg_sq_format.encode_parts(new_maxes)
         max_codes.copy_(codes)
         max_scales.copy_(scales)
-    write_param(param, new_param, stochastic_round=stochastic_round)
+    # Written slice by slice: a torch.cat here made Inductor materialise its inputs.
+    for param_part, new_param in zip(param_parts, new_params):
+        write_param(param_part, new_param, stochastic_round=stochastic_round)

@@ -1,10 +1,14 @@
 """The quantization maps, codecs and blockwise formats (issue 2)."""
 
+import re
+
 import pytest
 import torch
 from conftest import relative_rmse
+from torch._inductor.utils import run_and_get_code
 
-from lowbit_optim.quant import maps
+import lowbit_optim
+from lowbit_optim.quant import codecs, maps
 from lowbit_optim.quant.formats import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
@@ -86,6 +90,89 @@ def test_encode_at_midpoints_errs_by_at_most_a_few_ulps(fmt):
     if fmt.name not in SIGNED:
         normalized = normalized.clamp_min(0)
     assert float(excess_distance(fmt, normalized).max()) <= 6.0
+
+
+def reference_encode(fmt, normalized):
+    """The encoders as first written (issue 2), the oracle for the faster ones: a 16-entry map
+    counts the midpoints a value exceeds; a dynamic map takes the decade from ``log10``,
+    selects its constants with ``decade == d`` and corrects at the decade's lower midpoint
+    and at the top. Stored states, old checkpoints and the Triton kernel follow these codes."""
+    codec = fmt.codec
+    if isinstance(codec, codecs.SmallTableCodec):
+        code = torch.zeros_like(normalized)
+        for midpoint in codec._midpoints:
+            code = code + (normalized > midpoint).float()
+        return code.to(torch.uint8)
+    magnitude, bits = normalized.abs(), codec.exponent_bits
+    decade = (torch.floor(torch.log10(magnitude)) + bits).clamp(0, bits - 1)
+    decade = torch.nan_to_num(decade, nan=0.0).long()
+
+    def per_decade(values):
+        return torch.tensor(values, dtype=torch.float32)[decade]
+
+    count = per_decade([float(c) for c in codec._counts])
+    first = per_decade([float(r) for r in codec._first_rank])
+    shift = per_decade([10.0 ** (bits - 1 - d) for d in range(bits)])
+    position = torch.floor((magnitude * shift - 0.1) * count / 0.9)
+    rank = first + torch.minimum(position.clamp_min(0), count - 1)
+    rank = torch.where(magnitude < per_decade(codec._lower_midpoints), first - 1, rank)
+    rank = torch.where(magnitude >= codec._upper_midpoint, float(codec._max_rank), rank)
+    if not codec.signed:
+        return (rank + codec._zero_code + 1).to(torch.uint8)
+    code = torch.where(normalized >= 0, codec._zero_code + 1 + rank,
+                       codec._zero_code - 1 - rank.clamp_max(codec._max_rank - 1))
+    return code.to(torch.uint8)
+
+
+def floats_near(anchors, ulps):
+    """Every float32 within ``ulps`` of each anchor, clamped to [0, 1]."""
+    bits = anchors.float().abs().view(torch.int32)[:, None] + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    return bits.reshape(-1).clamp(0, 0x3F800000).view(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_encode_equals_the_reference_encoder(fmt):
+    # Every float within 3000 ulps of a code, a midpoint or a power of ten (where the faster
+    # encoders could part from the reference), and every 4099th float32 in [0, 1]; both signs.
+    anchors = torch.cat([fmt.table, (fmt.table[1:] + fmt.table[:-1]) / 2,
+                         torch.tensor([10.0**-k for k in range(12)])])
+    spread = torch.arange(0, 0x3F800001, 4099, dtype=torch.int32).view(torch.float32)
+    values = torch.cat([floats_near(anchors, 3000), spread, torch.tensor([0.0, 1e-45, 1e-38])])
+    for normalized in (values, -values):
+        assert torch.equal(fmt.codec.encode(normalized), reference_encode(fmt, normalized))
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_quantize_matches_the_reference_on_odd_blocks(fmt):
+    # Zero-scale blocks holding inf or NaN (divided by inf: NaN, then code 0), a block of
+    # denormals, a block with one huge value.
+    block = fmt.default_block_size
+    values = sample(fmt, (6, block))
+    values[0] = 0.0
+    values[0, 3] = float("inf")
+    values[1] = 0.0
+    values[1, 5] = float("nan")
+    values[2] = 1e-44
+    values[3, 7] = 3e38
+    codes, scales = fmt.quantize_blocks(values)
+    finite = torch.isfinite(values)
+    expected_scales = torch.where(finite, values.abs(), 0.0).amax(dim=1)
+    normalized = torch.where(expected_scales[:, None] > 0, values / expected_scales[:, None], 0.0)
+    normalized = torch.nan_to_num(normalized, nan=0.0).clamp(-1, 1)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(fmt.unpack(codes), reference_encode(fmt, normalized))
+
+
+def test_linear_encoder_is_exact_arithmetic():
+    # code = clamp(ceil(16 x - 1.5), 0, 15) counts the midpoints (2k + 3) / 32 that x exceeds:
+    # 16 x is exact and so is 16 x - 1.5 wherever it is >= 0 (the proof is in the docstring).
+    codec = LINEAR_4BIT_NONZERO.codec
+    midpoints = torch.tensor(codec._midpoints)
+    assert torch.equal(midpoints, (2 * torch.arange(15) + 3) / 32)
+    x = floats_near(midpoints, 50)
+    assert torch.equal(codec.encode(x), (x[:, None] > midpoints[None, :]).sum(1).to(torch.uint8))
+    with pytest.raises(ValueError, match="needs the map"):
+        codecs.LinearNonzeroCodec(maps.SIGNED_4BIT)
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
@@ -179,3 +266,20 @@ def test_unknown_format_and_bad_block_size():
         get_format("int3")
     with pytest.raises(ValueError, match="Invalid block_size: 7"):
         QuantizedState.zeros((10,), DYNAMIC_4BIT_SIGNED, 7)
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit"])
+def test_compiled_cpu_step_has_no_scalar_fallbacks(optimizer):
+    """Guards issue 14's CPU speed-ups in Inductor's generated C++: no float64 ``std::pow``
+    per vector iteration (the bias corrections are computed once), no element-by-element
+    ``std::isnan`` loop (no ``nan_to_num``), no bounds-checked gather, no ``log10``, and for
+    4-bit no unpacked int32 copy of the codes (the halves are never stacked)."""
+    param = torch.nn.Parameter(torch.randn(64, 256))
+    param.grad = torch.randn_like(param)
+    step = getattr(lowbit_optim, optimizer)([param], lr=1e-3, backend="compile").step
+    _, sources = run_and_get_code(step)
+    source = "\n".join(sources)
+    for construct in ("std::pow", "std::isnan", "index out of bounds", "log10"):
+        assert construct not in source, construct
+    buffers = re.findall(r"empty_strided_cpu\((\([^)]*\)), \([^)]*\), (torch\.\w+)\)", source)
+    assert buffers and all(dtype == "torch.float32" for _, dtype in buffers), buffers

@@ -1,21 +1,38 @@
 """Encoders and decoders between normalised values in [-1, 1] and codes (indices into a map).
 
 They are written so that Inductor turns them into vectorised loops: torchao's 8-step
-binary search with a gather per step compiles to scalar code on CPU (shared FINDINGS:
-its 4-bit step takes ~570 ms for 10.5M parameters). Here
+binary search with a gather per step compiles to scalar code on CPU (shared FINDINGS: its
+4-bit step takes ~570 ms for 10.5M parameters). Here
 
-* a 16-entry map encodes by counting the midpoints a value exceeds (15 comparisons against
-  constants) and decodes with a chain of 15 selects: no memory lookups at all;
-* a 256-entry dynamic-exponent map encodes with exponent arithmetic (the decade from
-  ``log10``, the position inside it from one multiply and ``floor``) plus two comparisons
-  against exact table midpoints where decades meet; it decodes with one table gather.
+* a 16-entry map encodes by a chain of 15 selects on comparisons with its midpoints (the
+  last midpoint a value exceeds wins, as the midpoints ascend) and decodes with a chain of
+  15 selects over constants; the linear map ``(k + 1) / 16`` encodes with one multiply, one
+  ``ceil`` and a clamp and decodes with one add and one multiply;
+* a 256-entry dynamic-exponent map finds a value's decade by comparing it with the 6
+  powers of ten between decades (selecting the decade's constants as it goes, where a
+  ``log10`` and three 7-way selects on its result stood before), the position inside the
+  decade from one multiply and ``floor``, plus two comparisons against exact table
+  midpoints where decades meet. It decodes with one gather from the table
+  (``aten._unsafe_index``: the codes are bytes, so no bounds check is needed, and Inductor
+  emits none). An arithmetic decode was tried: ``10**(d - 6) * (0.1 + 0.9 * (j + 0.5) /
+  count)`` in float32 misses the table by an ulp for 33 of the 127 signed magnitudes; the
+  ``linspace`` edges rebuilt exactly (``0.1 + step * i`` below ``(count + 1) // 2``, else
+  ``1 - step * (count - i)``, each rounded once, formed in float64) match all 256 entries,
+  but compiled 2x slower than the gather (float64 vectors, and Inductor recomputes the
+  decode in every pass), so the gather stays.
 
-Rounding is to the nearest code. The interior bin edges of the dynamic map are computed
-in float32 arithmetic, so a value within a few ulps of a midpoint may take the other
-neighbour; tests bound how often and by how much.
+Every encoder returns exactly the codes of the first formulation (``log10`` for the
+decade, a sum of 15 comparisons): ``tests/test_formats.py`` checks this against that
+formulation on every float32 within 3000 ulps of a code, a midpoint or a power of ten and on
+a sample of all of [-1, 1] (and it was checked once on every 61st float32 in [-1, 1]), so
+stored states, checkpoints and the Triton kernel (which mirrors the first formulation) agree
+code for code.
+
+Rounding is to the nearest code. The 16-entry encoders are exact (the midpoints are float32
+numbers; for the linear map see ``LinearNonzeroCodec``). The interior bin edges of the
+dynamic map are computed in float32 arithmetic, so a value within a few ulps of a midpoint
+may take the other neighbour, never a farther code; tests bound how often and by how much.
 """
-
-import math
 
 import torch
 
@@ -32,11 +49,12 @@ class SmallTableCodec:
         self._zero_like_code = int((table.abs()).argmin())
 
     def encode(self, normalized: torch.Tensor) -> torch.Tensor:
-        # Counted in float32 and narrowed once: Inductor's CPU backend vectorises float32
-        # arithmetic but falls back to scalar loops for uint8 adds (measured ~5x slower).
+        # Selected in float32 and narrowed once: Inductor's CPU backend vectorises float32
+        # arithmetic but falls back to scalar loops for uint8 ones (measured ~5x slower).
+        # A select per midpoint, not a sum of comparisons: one operation fewer each.
         code = torch.zeros_like(normalized, dtype=torch.float32)
-        for midpoint in self._midpoints:
-            code = code + (normalized > midpoint).to(torch.float32)
+        for count, midpoint in enumerate(self._midpoints, start=1):
+            code = torch.where(normalized > midpoint, float(count), code)
         return code.to(torch.uint8)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -47,6 +65,31 @@ class SmallTableCodec:
         return values
 
 
+class LinearNonzeroCodec(SmallTableCodec):
+    """The map ``(k + 1) / L`` (``L`` a power of two): arithmetic encode and decode.
+
+    ``x`` exceeds the midpoint ``(2k + 3) / (2L)`` exactly when ``t = x * L - 1.5 > k``, so
+    the number of midpoints exceeded, the code, is ``clamp(ceil(t), 0, L - 1)``. ``t`` is
+    exact in float32 for ``x * L`` in [0.75, L] (a power-of-two multiply, then a subtraction
+    of two numbers whose difference needs no more bits than ``x * L``); below that ``t < 0``
+    and the code is 0 either way. So the codes equal the comparison count bit for bit.
+    """
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__(table)
+        self._levels = table.numel()
+        if not torch.equal(table, maps.linear_nonzero_map(total_bits=self._levels.bit_length() - 1)):
+            raise ValueError("LinearNonzeroCodec needs the map (k + 1) / L, L a power of two")
+
+    def encode(self, normalized: torch.Tensor) -> torch.Tensor:
+        code = torch.ceil(normalized * float(self._levels) - 1.5)
+        return code.clamp(0.0, self._levels - 1.0).to(torch.uint8)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        # (k + 1) / L is exact: a small integer times a power of two.
+        return (codes.to(torch.float32) + 1.0) * (1.0 / self._levels)
+
+
 class DynamicExponentCodec:
     """Nearest-code search for the 8-bit dynamic-tree maps by exponent arithmetic.
 
@@ -54,12 +97,19 @@ class DynamicExponentCodec:
     ranks ``r = 0 .. M - 1`` in increasing order, decade ``d`` holding ``count(d)`` of them
     at ``10**(d - E) * (0.1 + 0.9 * (j + 0.5) / count(d))``. Rank -1 stands for 0 and
     rank ``M`` for 1. A signed map stores +v at ``zero + 1 + r`` and -v at ``zero - 1 - r``.
+
+    The decade need not be exact next to a power of ten ``P`` between decades ``d`` and
+    ``d + 1``: from the top bin of decade ``d`` (``P * (1 - 0.9 / count(d))``) up to the
+    lower midpoint of decade ``d + 1`` (``P * (1 + 0.9 / count(d))``) both decades give the
+    same code (taking ``d`` clamps the position to decade ``d``'s top; taking ``d + 1``
+    falls below its lower midpoint, to the same code). Comparing with ``float32(P)``, one ulp
+    from ``P``, is therefore exact in effect, as was ``floor(log10(x))`` before it.
     """
 
     def __init__(self, table: torch.Tensor, *, signed: bool):
         self.table = table
         self.signed = signed
-        self.exponent_bits = int(math.log2(table.numel())) - 1
+        self.exponent_bits = (table.numel().bit_length() - 1) - 1
         self._zero_code = int((table == 0).nonzero()[0])
         positive = table[table > 0].tolist()[:-1]  # the magnitudes below 1, ascending
         self._max_rank = len(positive)
@@ -72,21 +122,29 @@ class DynamicExponentCodec:
             (positive[r] + b) / 2 for r, b in zip(self._first_rank, below)
         ]
         self._upper_midpoint = (positive[-1] + 1.0) / 2
+        top = self.exponent_bits - 1
+        self._shifts = [10.0 ** (top - d) for d in range(self.exponent_bits)]
+        # float32(10**-k) where decade d - 1 ends and decade d starts, d = 1 .. E - 1.
+        self._decade_starts = [10.0 ** (d - self.exponent_bits) for d in range(1, self.exponent_bits)]
 
-    def _per_decade(self, decade: torch.Tensor, constants: list[float]) -> torch.Tensor:
-        out = torch.full_like(decade, constants[0], dtype=torch.float32)
-        for d, constant in enumerate(constants[1:], start=1):
-            out = torch.where(decade == d, constant, out)
-        return out
+    def _decade_constants(self, magnitude: torch.Tensor):
+        """(shift to [0.1, 1), code count, lower midpoint) of each value's decade."""
+        shift = torch.full_like(magnitude, self._shifts[0])
+        count = torch.full_like(magnitude, float(self._counts[0]))
+        lower = torch.full_like(magnitude, self._lower_midpoints[0])
+        for d, start in enumerate(self._decade_starts, start=1):
+            # The starts ascend, so the last one a value reaches selects its decade.
+            in_decade = magnitude >= start
+            shift = torch.where(in_decade, self._shifts[d], shift)
+            count = torch.where(in_decade, float(self._counts[d]), count)
+            lower = torch.where(in_decade, self._lower_midpoints[d], lower)
+        return shift, count, lower
 
     def _magnitude_rank(self, magnitude: torch.Tensor) -> torch.Tensor:
-        top = self.exponent_bits - 1
-        decade = (torch.floor(torch.log10(magnitude)) + self.exponent_bits).clamp(0, top)
-        decade = torch.nan_to_num(decade, nan=0.0).to(torch.int32)
-        shift = self._per_decade(decade, [10.0 ** (top - d) for d in range(self.exponent_bits)])
-        count = self._per_decade(decade, [float(c) for c in self._counts])
-        first = self._per_decade(decade, [float(r) for r in self._first_rank])
-        lower = self._per_decade(decade, self._lower_midpoints)
+        shift, count, lower = self._decade_constants(magnitude)
+        # Counts are powers of two (2**d signed, 2**(d + 1) unsigned), and the ranks before a
+        # decade add up to count - 1 (signed) or count - 2 (unsigned).
+        first = count - (1.0 if self.signed else 2.0)
         position = torch.floor((magnitude * shift - 0.1) * count / 0.9)
         rank = first + torch.minimum(position.clamp_min(0), count - 1)
         rank = torch.where(magnitude < lower, first - 1, rank)
@@ -103,10 +161,12 @@ class DynamicExponentCodec:
         return code.to(torch.uint8)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.table.to(codes.device)[codes.to(torch.int64)]
+        # _unsafe_index: a byte cannot leave a 256-entry table, and plain indexing made
+        # Inductor check bounds on int64 copies of the codes, 16 elements at a time.
+        return torch.ops.aten._unsafe_index(self.table.to(codes.device), [codes.to(torch.int32)])
 
 
 SIGNED_8BIT_CODEC = DynamicExponentCodec(maps.SIGNED_8BIT, signed=True)
 UNSIGNED_8BIT_CODEC = DynamicExponentCodec(maps.UNSIGNED_8BIT, signed=False)
 SIGNED_4BIT_CODEC = SmallTableCodec(maps.SIGNED_4BIT)
-LINEAR_4BIT_CODEC = SmallTableCodec(maps.LINEAR_4BIT)
+LINEAR_4BIT_CODEC = LinearNonzeroCodec(maps.LINEAR_4BIT)

@@ -48,32 +48,78 @@ class QuantFormat:
                 f"{2 * self.codes_per_byte})"
             )
 
+    @property
+    def parts(self) -> int:
+        """How many column slices of a block share one byte of codes: 2 for 4-bit (the low
+        and high halves of the block), 1 for 8-bit."""
+        return self.codes_per_byte
+
+    def split(self, blocks: torch.Tensor) -> list[torch.Tensor]:
+        """``(n, block_size)`` -> the ``parts`` column slices whose codes share bytes."""
+        if self.parts == 1:
+            return [blocks]
+        half = blocks.shape[-1] // 2
+        return [blocks[:, :half], blocks[:, half:]]
+
+    def encode_parts(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize_blocks`` on a block given as its ``split`` slices: packed codes, scales.
+
+        Each slice is normalised, encoded and packed on its own, never concatenated, so that
+        Inductor computes both nibbles of a byte in one loop without materialising the
+        block (shared FINDINGS: a ``stack`` of the halves cost an int32 buffer per moment).
+        """
+        parts = [part.float() for part in parts]
+        scales = None
+        for part in parts:
+            part_max = torch.where(torch.isfinite(part), part.abs(), 0.0).amax(dim=-1)
+            scales = part_max if scales is None else torch.maximum(scales, part_max)
+        codes = [self.codec.encode(self._normalize(part, scales)) for part in parts]
+        if self.parts == 1:
+            return codes[0], scales
+        return codes[0] | (codes[1] << 4), scales
+
+    def decode_parts(self, codes: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
+        """Inverse of ``encode_parts``: the float32 ``split`` slices of the blocks."""
+        return [self.codec.decode(part) * scales[:, None] for part in self.unpack_parts(codes)]
+
+    @staticmethod
+    def _normalize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        # An exact division, not a multiply by 1 / scale: the codes stay those of the rounded
+        # quotient, which the Triton kernel (div_rn) and stored checkpoints agree on. A block
+        # whose scale is 0 divides by inf instead: its finite values become ±0 and inf or NaN
+        # become NaN, then 0, as a select on the scale would give, without a per-row select.
+        divisor = torch.where(scales > 0, scales, float("inf"))[:, None]
+        normalized = blocks / divisor
+        # A select, not nan_to_num: Inductor's CPU code tests NaN in a scalar loop for it.
+        return torch.where(normalized == normalized, normalized, 0.0).clamp(-1.0, 1.0)
+
     def quantize_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float ``(n, block_size)`` -> packed uint8 codes and float32 scales ``(n,)``."""
-        blocks = blocks.float()
-        finite = torch.isfinite(blocks)
-        scales = torch.where(finite, blocks.abs(), 0.0).amax(dim=-1)
-        normalized = torch.where(scales[:, None] > 0, blocks / scales[:, None], 0.0)
-        normalized = torch.nan_to_num(normalized, nan=0.0).clamp(-1.0, 1.0)
-        return self.pack(self.codec.encode(normalized)), scales
+        return self.encode_parts(self.split(blocks))
 
     def dequantize_blocks(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Inverse of ``quantize_blocks``: float32 ``(n, block_size)``."""
-        return self.codec.decode(self.unpack(codes)) * scales[:, None]
+        parts = self.decode_parts(codes, scales)
+        return parts[0] if self.parts == 1 else torch.cat(parts, dim=-1)
 
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             return codes
-        half = codes.shape[-1] // 2
-        return codes[:, :half] | (codes[:, half:] << 4)
+        low, high = self.split(codes)
+        return low | (high << 4)
+
+    def unpack_parts(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """Packed bytes -> the codes of each ``split`` slice, int32 (its shifts and masks
+        vectorise; uint8 ones do not)."""
+        if self.bits == 8:
+            return [packed]
+        wide = packed.to(torch.int32)
+        return [wide & 0x0F, wide >> 4]
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """Packed bytes -> one int32 code per element (int32: its shifts and masks vectorise)."""
-        if self.bits == 8:
-            return packed
-        rows, half = packed.shape
-        wide = packed.to(torch.int32)
-        return torch.stack([wide & 0x0F, wide >> 4], dim=1).view(rows, 2 * half)
+        """Packed bytes -> one code per element, ``(n, block_size)``."""
+        parts = self.unpack_parts(packed)
+        return parts[0] if self.parts == 1 else torch.cat(parts, dim=-1)
 
 
 DYNAMIC_8BIT_SIGNED = QuantFormat("dynamic8-signed", 8, codecs.SIGNED_8BIT_CODEC, 256)
