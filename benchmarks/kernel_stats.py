@@ -56,7 +56,7 @@ from lowbit_optim.quant.formats import get_format
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 KINDS = {  # bits -> (exp_avg format, exp_avg_sq format, default block size)
-    8: ("dynamic8-signed", "dynamic8-unsigned", 256),
+    8: ("dynamic8-signed", "dynamic8-unsigned-nonzero", 256),
     4: ("dynamic4-signed", "linear4-nonzero", 128),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

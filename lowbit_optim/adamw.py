@@ -4,13 +4,14 @@ from lowbit_optim.optimizer import LowBitAdamW
 from lowbit_optim.quant.formats import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
-    DYNAMIC_8BIT_UNSIGNED,
+    DYNAMIC_8BIT_UNSIGNED_NONZERO,
     LINEAR_4BIT_NONZERO,
 )
 
 
 class AdamW8bit(LowBitAdamW):
-    """AdamW with 8-bit moments: bitsandbytes' dynamic-tree maps, blocks of 256 (~2 bytes/param).
+    """AdamW with 8-bit moments: bitsandbytes' dynamic-tree maps, blocks of 256 (~2 bytes/param);
+    the second moment's map has no zero code (``codecs.ZeroFreeCodec``, issue 16).
 
     Drop-in for ``torch.optim.AdamW``:
     ``AdamW8bit(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -19,7 +20,7 @@ class AdamW8bit(LowBitAdamW):
     """
 
     exp_avg_format = DYNAMIC_8BIT_SIGNED
-    exp_avg_sq_format = DYNAMIC_8BIT_UNSIGNED
+    exp_avg_sq_format = DYNAMIC_8BIT_UNSIGNED_NONZERO
 
 
 class AdamW4bit(LowBitAdamW):

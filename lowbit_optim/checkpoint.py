@@ -204,6 +204,7 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
     anything if it does not fit."""
     slots = _slots(optimizer, state_dict)
     state_dict = _quantize_sharded_float_moments(optimizer, state_dict, slots)
+    state_dict = _adopt_older_formats(optimizer, state_dict, slots)
     if is_torch_adamw_state_dict(state_dict):
         state_dict = from_torch_adamw(optimizer, state_dict, slots)
         # Mapped again: the converted groups now carry this optimizer's block sizes.
@@ -349,5 +350,29 @@ def _quantize_sharded_float_moments(optimizer, state_dict: dict, slots: dict) ->
                 moment = QuantizedState.zeros(shard.shape, optimizer.moment_format(key), group["block_size"],
                                               device=shard.device, dtype=slot.param.dtype)
                 entry[key] = wrap_like(moment.quantize_(shard), value)
+        state[saved_id] = entry
+    return {**state_dict, "state": state}
+
+
+def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
+    """``state_dict`` with each moment saved in an older format that this optimizer's format
+    reads as its own (``QuantFormat.reads_codes_of``: the 8-bit second moment before issue 16)
+    relabelled, codes and scales untouched: its codes mean the same values except code 0,
+    which now decodes to half the map's smallest value instead of 0. Nothing is modified."""
+    state = {}
+    for saved_id, entry in state_dict["state"].items():
+        if saved_id not in slots or not isinstance(entry, Mapping):
+            state[saved_id] = entry
+            continue
+        entry = dict(entry)
+        for key in MOMENT_KEYS:
+            value = entry.get(key)
+            shard = local(value)
+            if not isinstance(shard, QuantizedState):
+                continue
+            fmt = optimizer.moment_format(key)
+            if shard.format_name in fmt.reads_codes_of:
+                adopted = QuantizedState(shard.codes, shard.scales, fmt.name, shard.shape, shard.dtype)
+                entry[key] = wrap_like(adopted, value) if is_dtensor(value) else adopted
         state[saved_id] = entry
     return {**state_dict, "state": state}

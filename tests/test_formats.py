@@ -13,6 +13,7 @@ from lowbit_optim.quant.formats import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
     DYNAMIC_8BIT_UNSIGNED,
+    DYNAMIC_8BIT_UNSIGNED_NONZERO,
     FORMATS,
     LINEAR_4BIT_NONZERO,
     get_format,
@@ -36,6 +37,7 @@ def sample(fmt, shape, spread=4.0):
 MAX_ERROR_PER_ABSMAX = {
     DYNAMIC_8BIT_SIGNED.name: 0.9 / 64 / 2 * 1.001,
     DYNAMIC_8BIT_UNSIGNED.name: 0.9 / 128 / 2 * 1.001,
+    DYNAMIC_8BIT_UNSIGNED_NONZERO.name: 0.9 / 128 / 2 * 1.001,
     DYNAMIC_4BIT_SIGNED.name: (1 - 0.8875) * 1.001,
     LINEAR_4BIT_NONZERO.name: 1 / 16 * 1.001,
 }
@@ -98,6 +100,10 @@ def reference_encode(fmt, normalized):
     selects its constants with ``decade == d`` and corrects at the decade's lower midpoint
     and at the top. Stored states, old checkpoints and the Triton kernel follow these codes."""
     codec = fmt.codec
+    if isinstance(codec, codecs.ZeroFreeCodec):
+        # Its own first edge (3/4 of the smallest value), the unsigned map's other edges.
+        zero_free = torch.where(normalized < codec._first_edge, 0.0, normalized)
+        return reference_encode(FORMATS[DYNAMIC_8BIT_UNSIGNED.name], zero_free)
     if isinstance(codec, codecs.SmallTableCodec):
         code = torch.zeros_like(normalized)
         for midpoint in codec._midpoints:

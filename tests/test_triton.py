@@ -49,7 +49,7 @@ finally:
         os.environ["TRITON_INTERPRET"] = _saved_interpret
 
 KINDS = {
-    "8bit": (get_format("dynamic8-signed"), get_format("dynamic8-unsigned"), 256),
+    "8bit": (get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero"), 256),
     "4bit": (get_format("dynamic4-signed"), get_format("linear4-nonzero"), 128),
 }
 CODE_EDGE_RELATIVE, CODE_EDGE_ABSOLUTE = 2.0**-18, 2.0**-22
@@ -410,7 +410,7 @@ def test_custom_op_under_torch_compile():
     def step(param, grad, codes_m, scales_m, codes_v, scales_v, *hyper):
         torch.ops.lowbit_optim.adamw_lowbit_step(
             [param], [grad], [codes_m], [scales_m], [codes_v], [scales_v], [], [], *hyper,
-            exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned",
+            exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero",
             maximize=False, stochastic_round=False)
 
     compiled = torch.compile(step, fullgraph=True)
@@ -432,7 +432,7 @@ def test_op_rejects_bad_input():
     op = torch.ops.lowbit_optim.adamw_lowbit_step
     args = [[param], [torch.randn(300)], [states[0].codes], [states[0].scales], [states[1].codes],
             [states[1].scales], [], []]
-    flags = dict(exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned",
+    flags = dict(exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero",
                  maximize=False, stochastic_round=False)
     with pytest.raises(ValueError, match="must be a 1-element CPU tensor"):
         op(*args, torch.tensor([1e-3, 2e-3]), *hyper[1:], **flags)
@@ -440,7 +440,7 @@ def test_op_rejects_bad_input():
         op([torch.zeros(600)], *args[1:], *hyper, **flags)
     with pytest.raises(ValueError, match="one entry per parameter"):
         op(args[0], [], *args[2:], *hyper, **flags)
-    fmt_m, fmt_v = get_format("dynamic8-signed"), get_format("dynamic8-unsigned")
+    fmt_m, fmt_v = get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero")
     odd = [QuantizedState.from_float(torch.zeros(300), fmt, 48) for fmt in (fmt_m, fmt_v)]
     with pytest.raises(ValueError, match="power-of-two block_size"):
         op([param], [torch.randn(300)], [odd[0].codes], [odd[0].scales], [odd[1].codes], [odd[1].scales],

@@ -22,12 +22,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbit_optim import AdamW4bit, AdamW8bit
+from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
 
-# The 8-bit second-moment map still has an exact zero (issue 16 is open): the hazard is
-# demonstrated, strictly, until the zero-free map lands.
-HAZARD = pytest.mark.xfail(strict=True, reason="issue 16: the 8-bit second-moment map has a zero code")
-OPTIMIZERS = [pytest.param(AdamW8bit, marks=HAZARD), AdamW4bit]
+OPTIMIZERS = [AdamW8bit, AdamW4bit]
 BETAS = (0.9, 0.999)
 QUANTIZATION_ALLOWANCE = 4.0
 
@@ -95,3 +92,28 @@ def test_no_update_exceeds_adams_bound(cls, sequence):
         moved = (param.detach() - before).abs().max().item()
         bound = QUANTIZATION_ALLOWANCE * adam_bound(step)
         assert moved <= bound, (step, moved, bound)
+
+
+def test_checkpoint_saved_before_the_zero_free_map_loads_and_keeps_its_codes():
+    """An AdamW8bit checkpoint from before issue 16 names its second moments
+    ``dynamic8-unsigned``. It loads as it is: codes and scales unchanged, the format relabelled
+    (only code 0 now reads as half the smallest value instead of 0), and training goes on."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 80))
+    optimizer = AdamW8bit([param])
+    for _ in range(2):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+    saved = optimizer.state_dict()
+    new = saved["state"][0]["exp_avg_sq"]
+    saved["state"][0]["exp_avg_sq"] = QuantizedState(new.codes.clone(), new.scales.clone(),
+                                                     "dynamic8-unsigned", new.shape, new.dtype)
+    resumed = AdamW8bit([param])
+    resumed.load_state_dict(saved)
+    state = resumed.state[param]["exp_avg_sq"]
+    assert state.format_name == "dynamic8-unsigned-nonzero"
+    assert torch.equal(state.codes, saved["state"][0]["exp_avg_sq"].codes)
+    assert torch.equal(state.scales, saved["state"][0]["exp_avg_sq"].scales)
+    param.grad = torch.randn_like(param)
+    resumed.step()
+    assert torch.isfinite(param).all()

@@ -166,7 +166,41 @@ class DynamicExponentCodec:
         return torch.ops.aten._unsafe_index(self.table.to(codes.device), [codes.to(torch.int32)])
 
 
+class ZeroFreeCodec:
+    """An unsigned map's codec with code 0 standing for half the smallest positive value
+    instead of 0 (issue 16, the zero-point hazard).
+
+    With an exact zero, a second-moment element far below its block's largest (a gradient
+    under ~1.3e-4 of the block's largest, for the 8-bit dynamic map) decodes to 0 while its
+    first moment does not, and the next step divides by ``eps``: a parameter moved 2,500x
+    what AdamW moves it. Here it decodes to ``t1 / 2`` of the block's scale (``t1`` the
+    smallest positive value), never to 0, so ``m / sqrt(v)`` stays bounded; a true 0 (the
+    block's scale 0, or an element that never had a gradient while its first moment is 0
+    too) still yields a zero update. Codes are nearest to this table: the first bin edge moves
+    from ``t1 / 2`` to ``3 t1 / 4`` (one select before the unsigned codec's encoder), every
+    other edge is the unsigned codec's; decoding is the same one gather from this table.
+    Codes of the plain unsigned format read as this one's (``QuantFormat.reads_codes_of``):
+    only code 0's meaning changes.
+    """
+
+    def __init__(self, inner: DynamicExponentCodec):
+        if inner.signed or inner._zero_code != 0:
+            raise ValueError("ZeroFreeCodec replaces code 0 of an unsigned map")
+        self.inner = inner
+        smallest = float(inner.table[1])
+        self.table = inner.table.clone()
+        self.table[0] = smallest / 2
+        self._first_edge = (float(self.table[0]) + smallest) / 2
+
+    def encode(self, normalized: torch.Tensor) -> torch.Tensor:
+        return self.inner.encode(torch.where(normalized < self._first_edge, 0.0, normalized))
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._unsafe_index(self.table.to(codes.device), [codes.to(torch.int32)])
+
+
 SIGNED_8BIT_CODEC = DynamicExponentCodec(maps.SIGNED_8BIT, signed=True)
 UNSIGNED_8BIT_CODEC = DynamicExponentCodec(maps.UNSIGNED_8BIT, signed=False)
+UNSIGNED_8BIT_NONZERO_CODEC = ZeroFreeCodec(UNSIGNED_8BIT_CODEC)
 SIGNED_4BIT_CODEC = SmallTableCodec(maps.SIGNED_4BIT)
 LINEAR_4BIT_CODEC = LinearNonzeroCodec(maps.LINEAR_4BIT)

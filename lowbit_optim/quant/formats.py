@@ -27,6 +27,9 @@ class QuantFormat:
     bits: int
     codec: object
     default_block_size: int
+    # Older formats whose codes and scales this one reads as its own (a checkpoint saved in
+    # one of them loads without re-quantization, see lowbit_optim.checkpoint).
+    reads_codes_of: tuple[str, ...] = ()
 
     @property
     def table(self) -> torch.Tensor:
@@ -124,12 +127,18 @@ class QuantFormat:
 
 DYNAMIC_8BIT_SIGNED = QuantFormat("dynamic8-signed", 8, codecs.SIGNED_8BIT_CODEC, 256)
 DYNAMIC_8BIT_UNSIGNED = QuantFormat("dynamic8-unsigned", 8, codecs.UNSIGNED_8BIT_CODEC, 256)
+# The 8-bit second moment since issue 16: the same map with no zero code (codecs.ZeroFreeCodec).
+DYNAMIC_8BIT_UNSIGNED_NONZERO = QuantFormat(
+    "dynamic8-unsigned-nonzero", 8, codecs.UNSIGNED_8BIT_NONZERO_CODEC, 256,
+    reads_codes_of=(DYNAMIC_8BIT_UNSIGNED.name,),
+)
 DYNAMIC_4BIT_SIGNED = QuantFormat("dynamic4-signed", 4, codecs.SIGNED_4BIT_CODEC, 128)
 LINEAR_4BIT_NONZERO = QuantFormat("linear4-nonzero", 4, codecs.LINEAR_4BIT_CODEC, 128)
 
 FORMATS = {
     fmt.name: fmt
-    for fmt in (DYNAMIC_8BIT_SIGNED, DYNAMIC_8BIT_UNSIGNED, DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO)
+    for fmt in (DYNAMIC_8BIT_SIGNED, DYNAMIC_8BIT_UNSIGNED, DYNAMIC_8BIT_UNSIGNED_NONZERO,
+                DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO)
 }
 
 
