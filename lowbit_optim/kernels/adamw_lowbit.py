@@ -441,8 +441,9 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
     tile = INTERPRETER_TILE_ELEMENTS if device.type == "cpu" else GPU_TILE_ELEMENTS
     rows = max(1, tile // block_size)
     moments = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg_sq]
-    # Flat views: the layout and the kernel address every tensor as a flat array.
-    tensor_lists = [[p.view(-1) for p in params], [g.view(-1) for g in grads]]
+    # The layout and the kernel address every tensor by its data pointer as a flat array, so
+    # contiguous tensors of any shape serve as they are (no view per tensor per step).
+    tensor_lists = [list(params), list(grads)]
     tensor_lists += [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
     tensor_lists = layouts.split_tails(tensor_lists, block_size)
     tables = device_tables(exp_avg_format, device) + device_tables(exp_avg_sq_format, device)

@@ -70,7 +70,8 @@ def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list
         odd_size = param.numel() % ALIGNMENT_ELEMENTS != 0
         if (odd_size and whole_blocks and body % ALIGNMENT_ELEMENTS == 0
                 and all(t.data_ptr() % 16 == 0 for t in tensors)):
-            split = [(t[:body], t[body:]) if position < 2 else (t[:whole_blocks], t[whole_blocks:])
+            split = [(t.view(-1)[:body], t.view(-1)[body:]) if position < 2
+                     else (t[:whole_blocks], t[whole_blocks:])
                      for position, t in enumerate(tensors)]
             for piece_list, (head, tail) in zip(pieces, split):
                 piece_list += [head, tail]

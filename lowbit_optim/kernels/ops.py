@@ -155,7 +155,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
                param.device, float(step), max_exp_avg_sq is not None)
         kinds.setdefault(key, []).append(entry)
     for index, kind in enumerate(kinds.values()):
-        params = [e[0].detach() for e in kind]
+        params = [e[0] for e in kind]  # stepped under no_grad: no autograd to detach from
         # The kernel needs contiguous memory; a non-contiguous parameter steps a copy.
         work = [p if p.is_contiguous() else p.contiguous() for p in params]
         amsgrad = kind[0][4] is not None
@@ -167,7 +167,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
             return [s.codes for s in states], [s.scales for s in states]
 
         arguments = (
-            work, [e[1].detach().contiguous() for e in kind], *inner(moments[0]), *inner(moments[1]),
+            work, [e[1].contiguous() for e in kind], *inner(moments[0]), *inner(moments[1]),
             *inner(moments[2] if amsgrad else [None]), lr, beta1, beta2, eps, weight_decay, kind[0][5],
         )
         options = dict(
