@@ -168,8 +168,9 @@ class LowBitAdamW(Optimizer):
                         f"of shape {tuple(param.shape)}"
                     )
                 if grad.dtype != param.dtype:
-                    # What torch says when such a gradient is assigned (p.grad = g); one set
-                    # through .data or a custom grad_dtype reaches the step unchecked.
+                    # torch refuses such an assignment (p.grad = g) with "the gradient must
+                    # match the tensor's grad_dtype" and its AdamW fails on one set through
+                    # .data; refused here before anything changes, in the same words.
                     raise RuntimeError(
                         f"{type(self).__name__}: a gradient with dtype {grad.dtype} for a "
                         f"parameter of dtype {param.dtype} (shape {tuple(param.shape)}): the "
