@@ -1,6 +1,6 @@
 """Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
 
-from lowbit_optim.adamw import AdamW4bit, AdamW8bit
+from lowbit_optim.adamw import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit
 from lowbit_optim.memory import state_bytes
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
@@ -10,6 +10,8 @@ from lowbit_optim.state import QuantizedState
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adam4bit",
+    "Adam8bit",
     "AdamW4bit",
     "AdamW8bit",
     "CPUOffloadOptimizer",

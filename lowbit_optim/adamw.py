@@ -1,4 +1,5 @@
-"""The public optimizers: each names the formats of its two moments, nothing more."""
+"""The public optimizers: each names the formats of its two moments (and, for the Adam
+classes, that weight decay is L2), nothing more."""
 
 from lowbit_optim.optimizer import LowBitAdamW
 from lowbit_optim.quant.formats import (
@@ -30,3 +31,29 @@ class AdamW4bit(LowBitAdamW):
 
     exp_avg_format = DYNAMIC_4BIT_SIGNED
     exp_avg_sq_format = LINEAR_4BIT_NONZERO
+
+
+class _L2WeightDecay:
+    """torch.optim.Adam's semantics for the class it is mixed into: weight decay added to the
+    gradient, and ``weight_decay=0`` by default (torchao's ``Adam8bit``/``Adam4bit`` take the
+    same arguments)."""
+
+    decoupled_weight_decay = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, **options):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **options)
+
+
+class Adam8bit(_L2WeightDecay, LowBitAdamW):
+    """``torch.optim.Adam`` (L2 weight decay) with ``AdamW8bit``'s state formats."""
+
+    exp_avg_format = AdamW8bit.exp_avg_format
+    exp_avg_sq_format = AdamW8bit.exp_avg_sq_format
+
+
+class Adam4bit(_L2WeightDecay, LowBitAdamW):
+    """``torch.optim.Adam`` (L2 weight decay) with ``AdamW4bit``'s state formats."""
+
+    exp_avg_format = AdamW4bit.exp_avg_format
+    exp_avg_sq_format = AdamW4bit.exp_avg_sq_format

@@ -82,8 +82,10 @@ class ParamStep(NamedTuple):
 
 def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
           eps: torch.Tensor, weight_decay: torch.Tensor, maximize: bool, stochastic_round: bool,
-          backend: str, scratch: "TailScratch", rounding_stream: int | None = None) -> None:
-    """The functional AdamW step over one param group's parameters, in place.
+          backend: str, scratch: "TailScratch", rounding_stream: int | None = None,
+          decoupled_weight_decay: bool = True) -> None:
+    """The functional AdamW step over one param group's parameters, in place
+    (``decoupled_weight_decay=False``: ``torch.optim.Adam``'s L2 weight decay instead).
 
     Hyperparameters are 0-d CPU tensors (``hyperparams.GroupScalars``). Each parameter goes to
     the implementation its state needs: float moments to ``float_state_adamw_step`` (small
@@ -110,6 +112,7 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
                 "compile" if backend == "triton" else backend, entry,
                 (lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
                 maximize=maximize, stochastic_round=stochastic_round,
+                decoupled_weight_decay=decoupled_weight_decay,
             )
     for group in float_state.values():
         amsgrad = group[0].max_exp_avg_sq is not None
@@ -118,12 +121,14 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
             [e.exp_avg_sq for e in group], [e.max_exp_avg_sq for e in group] if amsgrad else None,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             step=group[0].step, maximize=maximize, stochastic_round=stochastic_round,
+            decoupled_weight_decay=decoupled_weight_decay,
         )
     if grouped:
         from lowbit_optim import kernels  # imports Triton: only when the backend is in use
 
         kernels.step_group(grouped, lr, beta1, beta2, eps, weight_decay, maximize=maximize,
-                           stochastic_round=stochastic_round, rounding_stream=rounding_stream)
+                           stochastic_round=stochastic_round, rounding_stream=rounding_stream,
+                           decoupled_weight_decay=decoupled_weight_decay)
 
 
 def _with_own_code_object(fn, name: str):
@@ -173,7 +178,7 @@ class TailScratch:
 
 
 def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: TailScratch, *,
-                       maximize: bool, stochastic_round: bool) -> None:
+                       maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool = True) -> None:
     """Update one parameter and its quantized moments in place with ``"compile"`` or
     ``"eager"``. ``hyper``: ``(lr, beta1, beta2, eps, weight_decay, step)``, 0-d CPU tensors
     passed positionally, as the compiled function takes them."""
@@ -185,6 +190,7 @@ def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: Ta
     step = functools.partial(
         step, exp_avg_format=exp_avg.format, exp_avg_sq_format=exp_avg_sq.format,
         maximize=maximize, stochastic_round=stochastic_round,
+        decoupled_weight_decay=decoupled_weight_decay,
     )
 
     # Detached, so views of a leaf that requires grad and the scratch buffers look alike to

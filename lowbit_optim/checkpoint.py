@@ -27,11 +27,10 @@ from lowbit_optim.state import MOMENT_KEYS, QuantizedState
 
 # Group options only this package has; a state dict without them was saved by another optimizer.
 LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round")
-# torch.optim.AdamW's group options, with the values our exported state dicts give them:
-# its own implementation choices, and decoupled weight decay (what makes Adam AdamW).
+# torch.optim.AdamW's implementation choices, with the values our exported state dicts give
+# them. (``decoupled_weight_decay``, what makes Adam AdamW, is a group option of ours too.)
 TORCH_ADAMW_GROUP_OPTIONS = {
     "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-    "decoupled_weight_decay": True,
 }
 
 
@@ -209,6 +208,7 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
         state_dict = from_torch_adamw(optimizer, state_dict, slots)
         # Mapped again: the converted groups now carry this optimizer's block sizes.
         slots = _slots(optimizer, state_dict)
+    state_dict = _with_current_group_options(optimizer, state_dict)
     validate_state_dict(optimizer, state_dict, slots)
     state, held = {}, {}
     for saved_id, entry in state_dict["state"].items():
@@ -237,13 +237,16 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     slots = slots or _slots(optimizer, state_dict)
     groups = []
     for index, (saved, own) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
-        if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay", 0) != 0:
+        # torch.optim.AdamW's groups say True; torchao's say nothing (their class decides).
+        decoupled = saved.get("decoupled_weight_decay", own["decoupled_weight_decay"])
+        if decoupled != own["decoupled_weight_decay"] and saved.get("weight_decay", 0) != 0:
+            kinds = {True: "decoupled weight decay (AdamW)", False: "L2 weight decay (Adam)"}
             raise ValueError(
-                f"parameter group {index} of the loaded state dict uses L2 weight decay "
-                "(torch.optim.Adam); only AdamW's decoupled weight decay converts"
+                f"parameter group {index} of the loaded state dict uses {kinds[decoupled]}; "
+                f"{type(optimizer).__name__} uses {kinds[own['decoupled_weight_decay']]}"
             )
         group = {k: v for k, v in saved.items() if k not in TORCH_ADAMW_GROUP_OPTIONS}
-        group.update({k: own[k] for k in LOWBIT_GROUP_KEYS})
+        group.update({k: own[k] for k in (*LOWBIT_GROUP_KEYS, "decoupled_weight_decay")})
         # An option the saving optimizer did not have (torchao's groups have no maximize)
         # keeps this optimizer's value.
         for key, value in own.items():
@@ -300,11 +303,14 @@ def to_torch_adamw(state_dict) -> dict:
     moments and ``step`` are copied, LRs become Python floats, and the groups get
     ``torch.optim.AdamW``'s options in place of ours. The result loads into
     ``torch.optim.AdamW`` (which casts moments to the parameter dtype) or, to switch formats,
-    into another ``LowBitAdamW``. Pass ``optimizer.state_dict()``; nothing is modified.
+    into another ``LowBitAdamW``. An ``Adam8bit``/``Adam4bit`` state dict keeps
+    ``decoupled_weight_decay=False`` and loads into ``torch.optim.Adam``. Pass
+    ``optimizer.state_dict()``; nothing is modified.
     """
     groups = []
     for saved in state_dict["param_groups"]:
         group = {k: v for k, v in saved.items() if k not in LOWBIT_GROUP_KEYS}
+        group.setdefault("decoupled_weight_decay", True)  # saved before it was a group option
         for key in ("lr", "initial_lr"):
             if isinstance(group.get(key), torch.Tensor):
                 group[key] = float(group[key])
@@ -376,3 +382,14 @@ def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
                 entry[key] = wrap_like(adopted, value) if is_dtensor(value) else adopted
         state[saved_id] = entry
     return {**state_dict, "state": state}
+
+
+def _with_current_group_options(optimizer, state_dict: dict) -> dict:
+    """``state_dict`` with every group option it predates (``decoupled_weight_decay`` in
+    checkpoints saved before the Adam classes) set to this optimizer's current value, since
+    ``Optimizer.load_state_dict`` replaces the groups by the saved ones."""
+    groups = []
+    for saved, own in zip(state_dict["param_groups"], optimizer.param_groups):
+        missing = {k: v for k, v in own.items() if k not in saved and k not in ("params", "param_names")}
+        groups.append({**saved, **missing})
+    return {**state_dict, "param_groups": groups}

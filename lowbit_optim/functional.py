@@ -52,14 +52,17 @@ def _(beta1, beta2, step):
 
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
-                 weight_decay, step, maximize: bool, corrections=None):
+                 weight_decay, step, maximize: bool, corrections=None,
+                 decoupled_weight_decay: bool = True):
     """One AdamW step on float32 (or float64) values.
 
     Returns the new ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq)``.
 
     ``max_exp_avg_sq`` is ``None`` unless amsgrad is on. ``corrections``, if given, is
-    ``bias_corrections(beta1, beta2, step)`` computed beforehand. Pure: inputs are not
-    modified.
+    ``bias_corrections(beta1, beta2, step)`` computed beforehand. With
+    ``decoupled_weight_decay=False`` it is ``torch.optim.Adam``'s step instead: the weight
+    decay is added to the gradient (L2) rather than applied to the parameter. Pure: inputs
+    are not modified.
     """
     grad = -grad if maximize else grad
     finite = torch.isfinite(grad)
@@ -67,6 +70,8 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     # it; the same zeros come from the finite mask (masked_fill, unlike where with a Python
     # number, makes no tensor from the number in eager mode: tests/test_schedules.py).
     safe_grad = grad.masked_fill(~finite, 0.0)
+    if not decoupled_weight_decay:
+        safe_grad = safe_grad + weight_decay * param  # torch.optim.Adam: grad.add(param, alpha=wd)
 
     # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv),
     # so that float32 state tracks it to within rounding.
@@ -85,7 +90,8 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     bias_correction1, bias_correction2_sqrt = corrections
     step_size = lr / bias_correction1
     denom = second_moment.sqrt() / bias_correction2_sqrt + eps
-    new_param = param * (1 - lr * weight_decay) - step_size * (new_exp_avg / denom)
+    decayed = param * (1 - lr * weight_decay) if decoupled_weight_decay else param
+    new_param = decayed - step_size * (new_exp_avg / denom)
 
     new_param = torch.where(finite, new_param, param)
     new_exp_avg = torch.where(finite, new_exp_avg, exp_avg)
@@ -120,7 +126,8 @@ def write_param(param: torch.Tensor, values: torch.Tensor, *, stochastic_round: 
 
 
 def float_state_adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, *, lr, beta1,
-                           beta2, eps, weight_decay, step, maximize: bool, stochastic_round: bool):
+                           beta2, eps, weight_decay, step, maximize: bool, stochastic_round: bool,
+                           decoupled_weight_decay: bool = True):
     """The step for parameters with float moments (below ``min_quant_size``), in place.
 
     Takes lists: parameters of one device and dtype with the same ``step`` are computed as one
@@ -142,7 +149,7 @@ def float_state_adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
         flat(params).to(dtype), flat(grads).to(dtype), flat(exp_avgs), flat(exp_avg_sqs),
         None if max_exp_avg_sqs is None else flat(max_exp_avg_sqs),
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-        maximize=maximize,
+        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
     )
     scatter(exp_avgs, new_exp_avg)
     scatter(exp_avg_sqs, new_exp_avg_sq)
@@ -157,7 +164,7 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
                          exp_avg_sq_scales, max_codes, max_scales, lr, beta1, beta2, eps,
                          weight_decay, step, *, exp_avg_format: QuantFormat,
                          exp_avg_sq_format: QuantFormat, maximize: bool,
-                         stochastic_round: bool):
+                         stochastic_round: bool, decoupled_weight_decay: bool = True):
     """``single_param_adam`` on blocks: dequantize -> ``adamw_update`` -> requantize, in place.
 
     ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; codes and scales are the
@@ -193,7 +200,7 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
             exp_avg_sq[index].to(dtype),
             None if max_codes is None else max_exp_avg_sq[index].to(dtype),
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-            maximize=maximize, corrections=corrections,
+            maximize=maximize, corrections=corrections, decoupled_weight_decay=decoupled_weight_decay,
         )
         new_params.append(new_param)
         new_exp_avgs.append(new_exp_avg)

@@ -32,6 +32,9 @@ class LowBitAdamW(Optimizer):
 
     exp_avg_format: QuantFormat
     exp_avg_sq_format: QuantFormat
+    # AdamW's decoupled weight decay; the Adam classes add it to the gradient (L2) instead.
+    # Every group records it (as torch.optim.Adam's groups do), so state dicts say which.
+    decoupled_weight_decay = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, block_size=None, min_quant_size=4096,
@@ -42,6 +45,7 @@ class LowBitAdamW(Optimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, block_size=block_size, min_quant_size=min_quant_size,
             bf16_stochastic_round=bf16_stochastic_round,
+            decoupled_weight_decay=self.decoupled_weight_decay,
         )
         self._init_step_helpers()
         super().__init__(params, defaults)
@@ -72,6 +76,7 @@ class LowBitAdamW(Optimizer):
             group.setdefault("bf16_stochastic_round", False)
             group.setdefault("block_size", self.exp_avg_format.default_block_size)
             group.setdefault("min_quant_size", 4096)
+            group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
 
     def load_state_dict(self, state_dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, checked first, float32 state kept float32.
@@ -119,6 +124,10 @@ class LowBitAdamW(Optimizer):
             raise ValueError(
                 f"Invalid block_size: {block_size!r} (a power of two from {MIN_BLOCK_SIZE} "
                 f"to {MAX_BLOCK_SIZE} is needed)"
+            )
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ValueError(
+                f"Invalid decoupled_weight_decay: {group['decoupled_weight_decay']!r} (a bool is needed)"
             )
         min_quant_size = group["min_quant_size"]
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
@@ -229,6 +238,7 @@ class LowBitAdamW(Optimizer):
                 maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
                 backend=self.backend, scratch=self._tail_scratch,
                 rounding_stream=(distributed.rank() << 16) | index,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
             )
 
     def _init_group(self, group: dict) -> list[backends.ParamStep]:

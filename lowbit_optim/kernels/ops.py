@@ -38,9 +38,10 @@ def adamw_lowbit_step(
     exp_avg_sq_codes: list[Tensor], exp_avg_sq_scales: list[Tensor], max_exp_avg_sq_codes: list[Tensor],
     max_exp_avg_sq_scales: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
     weight_decay: Tensor, step: Tensor, *, exp_avg_format: str, exp_avg_sq_format: str, maximize: bool,
-    stochastic_round: bool, seed: int | None = None,
+    stochastic_round: bool, seed: int | None = None, decoupled_weight_decay: bool = True,
 ) -> None:
-    """One quantized AdamW step for every parameter given, in place, in one launch.
+    """One quantized AdamW step for every parameter given, in place, in one launch
+    (``decoupled_weight_decay=False``: torch.optim.Adam's L2 weight decay).
 
     ``params`` (contiguous, one dtype) and ``grads`` (one dtype) pair up with the moments'
     codes and scales (``QuantizedState.codes``/``.scales``); the ``max_exp_avg_sq`` lists are
@@ -51,13 +52,14 @@ def adamw_lowbit_step(
     _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                 max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step,
                 exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format, maximize=maximize,
-                stochastic_round=stochastic_round, seed=seed, check_states=True)
+                stochastic_round=stochastic_round, seed=seed, check_states=True,
+                decoupled_weight_decay=decoupled_weight_decay)
 
 
 def _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                 max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step, *,
                 exp_avg_format: str, exp_avg_sq_format: str, maximize: bool, stochastic_round: bool,
-                seed: int | None, check_states: bool) -> None:
+                seed: int | None, check_states: bool, decoupled_weight_decay: bool = True) -> None:
     """The op's implementation. ``check_states=False`` skips the per-parameter shape checks of
     codes and scales: ``step_group`` passes the optimizer's own states, made by
     ``QuantizedState.zeros`` and checked by ``load_state_dict``, and the checks cost ~3 us per
@@ -95,7 +97,7 @@ def _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, 
     adamw_lowbit.launch(
         params, grads, pairs(exp_avg_codes, exp_avg_scales), pairs(exp_avg_sq_codes, exp_avg_sq_scales),
         pairs(max_exp_avg_sq_codes, max_exp_avg_sq_scales) if amsgrad else None,
-        adamw_lowbit.host_scalars(*values),
+        adamw_lowbit.host_scalars(*values, decoupled_weight_decay=decoupled_weight_decay),
         exp_avg_format=exp_avg_fmt, exp_avg_sq_format=exp_avg_sq_fmt, block_size=block_size,
         maximize=maximize, stochastic_round=stochastic_round, seed=seed,
     )
@@ -104,7 +106,8 @@ def _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, 
 @adamw_lowbit_step.register_fake
 def _(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
       max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step, *,
-      exp_avg_format, exp_avg_sq_format, maximize, stochastic_round, seed=None):
+      exp_avg_format, exp_avg_sq_format, maximize, stochastic_round, seed=None,
+      decoupled_weight_decay=True):
     return None
 
 
@@ -137,7 +140,7 @@ def _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fm
 
 def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
                weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
-               rounding_stream: int | None = None) -> None:
+               rounding_stream: int | None = None, decoupled_weight_decay: bool = True) -> None:
     """Step quantized parameters of one param group, one launch per kind.
 
     ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
@@ -173,6 +176,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
         options = dict(
             exp_avg_format=kind[0][2].format_name, exp_avg_sq_format=kind[0][3].format_name,
             maximize=maximize, stochastic_round=stochastic_round,
+            decoupled_weight_decay=decoupled_weight_decay,
             seed=None if rounding_stream is None
             else stochastic_round_seed(int(float(kind[0][5])), (rounding_stream << 10) | index),
         )
