@@ -1,11 +1,12 @@
-"""A checkpoint of torchao's low-bit optimizer resumes in ours (issue 15), with real torchao."""
+"""A checkpoint of torchao's low-bit optimizer resumes in ours (issue 15), with real torchao:
+each of its AdamW8bit, AdamW4bit, Adam8bit and Adam4bit into our class of the same name."""
 
 import io
 
 import pytest
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
+from lowbit_optim import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit, QuantizedState
 from lowbit_optim.checkpoint import foreign_float_values
 
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -13,6 +14,8 @@ torchao_optim = pytest.importorskip("torchao.optim")
 PAIRS = {
     "AdamW8bit": (torchao_optim.AdamW8bit, AdamW8bit),
     "AdamW4bit": (torchao_optim.AdamW4bit, AdamW4bit),
+    "Adam8bit": (torchao_optim.Adam8bit, Adam8bit),
+    "Adam4bit": (torchao_optim.Adam4bit, Adam4bit),
 }
 STEPS = 3
 
