@@ -262,11 +262,13 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
 
 @triton.jit
 def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                 step_size, decay, l2_weight_decay, one_minus_beta1, beta2, one_minus_beta2,
+                 step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
                  inv_bias_correction2_sqrt, eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                  L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
     """``functional.adamw_update`` on one half-tile; stores the parameter, returns the moments.
-    ``L2_DECAY``: torch.optim.Adam's weight decay, added to the gradient (``decay`` is 1)."""
+    ``L2_DECAY`` (torch.optim.Adam): ``decay`` is the weight decay, added to the gradient as
+    ``decay * param``, and the parameter is not scaled. One scalar serves both meanings: a
+    separate one cost the 8-bit float32 variant two spills under the register cap (sm_90)."""
     grad = tl.load(grad_ptr + index, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         grad = -grad
@@ -275,7 +277,7 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, m
     finite = _is_finite(grad)
     if L2_DECAY:
         param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
-        grad = grad + l2_weight_decay * param
+        grad = grad + decay * param
     new_exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
     # torch addcmul order, ((1 - beta2) * g) * g: g * g first overflows float32 sooner.
     new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
@@ -291,7 +293,8 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, m
     # 8-bit float32 a spill on sm_90.
     if not L2_DECAY:
         param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
-    new_param = tl.fma(-step_size, _divide(new_exp_avg, denom, INTERPRETED), param * decay)
+    decayed = param if L2_DECAY else param * decay
+    new_param = tl.fma(-step_size, _divide(new_exp_avg, denom, INTERPRETED), decayed)
     new_param = tl.where(finite, new_param, param)
     new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
                                 STOCHASTIC_ROUND, INTERPRETED)
@@ -315,8 +318,8 @@ def _adamw_lowbit_kernel(
     param_base, grad_base, exp_avg_codes_base, exp_avg_scales_base, exp_avg_sq_codes_base,
     exp_avg_sq_scales_base, max_codes_base, max_scales_base, layout_ptr, program_param_ptr,
     exp_avg_table_ptr, exp_avg_midpoints_ptr, exp_avg_sq_table_ptr, exp_avg_sq_midpoints_ptr,
-    step_size, decay, l2_weight_decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt,
-    eps, seed, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
+    step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, seed,
+    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
     EXP_AVG_BITS: tl.constexpr, EXP_AVG_CODEC: tl.constexpr,
     EXP_AVG_SQ_BITS: tl.constexpr, EXP_AVG_SQ_CODEC: tl.constexpr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
@@ -373,13 +376,12 @@ def _adamw_lowbit_kernel(
 
     m_low, v_low, max_low = _update_half(
         param_ptr, grad_ptr, low_index, row_mask[:, None] & (low_index < numel32), noise_low,
-        m_low, v_low, max_low, step_size, decay, l2_weight_decay, one_minus_beta1, beta2, one_minus_beta2,
+        m_low, v_low, max_low, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
         inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
     m_high, v_high, max_high = _update_half(
         param_ptr, grad_ptr, high_index, row_mask[:, None] & (high_index < numel32), noise_high,
-        m_high, v_high, max_high, step_size, decay, l2_weight_decay, one_minus_beta1, beta2,
-        one_minus_beta2, inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND,
-        INTERPRETED)
+        m_high, v_high, max_high, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
+        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
 
     _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_midpoints_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
@@ -402,15 +404,17 @@ def is_interpreted() -> bool:
 
 
 def host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 step: float, decoupled_weight_decay: bool = True) -> dict[str, float]:
+                 step: float, decoupled_weight_decay: bool = True) -> dict[str, float | bool]:
     """The kernel's scalar arguments, formed in float64 as ``adamw_update`` forms them from
     its 0-d tensors (Triton rounds each to float32, as torch rounds a 0-d double operand).
-    Decoupled (AdamW) weight decay scales the parameter by ``decay``; L2 (Adam) adds
-    ``l2_weight_decay * param`` to the gradient."""
+    Decoupled (AdamW) weight decay scales the parameter by ``decay``; with L2 (Adam) weight
+    decay, ``decay`` is the weight decay, added to the gradient times the parameter, and
+    ``l2`` tells the kernel which (its ``L2_DECAY``)."""
+    l2 = not decoupled_weight_decay and weight_decay != 0
     return dict(
         step_size=lr / (1 - beta1**step),
-        decay=1 - lr * weight_decay if decoupled_weight_decay else 1.0,
-        l2_weight_decay=0.0 if decoupled_weight_decay else weight_decay,
+        decay=weight_decay if l2 else 1 - lr * weight_decay,
+        l2=l2,
         one_minus_beta1=1 - beta1,
         beta2=beta2,
         one_minus_beta2=1 - beta2,
@@ -420,7 +424,7 @@ def host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay
 
 
 def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[tuple],
-           exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, scalars: dict[str, float],
+           exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, scalars: dict[str, float | bool],
            *, exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
            maximize: bool, stochastic_round: bool, seed: int) -> None:
     """Update params and moments in place: one launch for the parameters whose tensors are
@@ -476,13 +480,12 @@ def _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgr
     layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned, address=address)
     _adamw_lowbit_kernel[(layout.num_programs,)](
         *[tensors[0] for tensors in lists], layout.table, layout.program_param, *tables,
-        scalars["step_size"], scalars["decay"], scalars["l2_weight_decay"], scalars["one_minus_beta1"],
-        scalars["beta2"],
+        scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
         scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"], seed,
         BLOCK_SIZE=block_size, ROWS=rows, LAYOUT_COLUMNS=layouts.LAYOUT_COLUMNS,
         EXP_AVG_BITS=exp_avg_format.bits, EXP_AVG_CODEC=codec_kind(exp_avg_format),
         EXP_AVG_SQ_BITS=exp_avg_sq_format.bits, EXP_AVG_SQ_CODEC=codec_kind(exp_avg_sq_format),
-        AMSGRAD=amsgrad, MAXIMIZE=maximize, L2_DECAY=scalars["l2_weight_decay"] != 0.0,
+        AMSGRAD=amsgrad, MAXIMIZE=maximize, L2_DECAY=scalars["l2"],
         STOCHASTIC_ROUND=stochastic_round, INTERPRETED=device.type == "cpu", ALIGNED=aligned,
         num_warps=4, enable_fp_fusion=False, maxnreg=MAX_REGISTERS if aligned and not amsgrad else None,
     )
