@@ -226,9 +226,11 @@ def _is_plain_moment(key, value) -> bool:
 def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     """A ``torch.optim.AdamW`` state dict as ``optimizer`` (a ``LowBitAdamW``) would save it.
 
-    Also takes a state dict of torchao's ``AdamW8bit``/``AdamW4bit``/``AdamWFp8``: their
-    quantized moments are read as float values (``foreign_float_values``) and quantized in
-    our formats. Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
+    Also takes a state dict of torchao's ``AdamW8bit``/``AdamW4bit``/``Adam8bit``/``Adam4bit``:
+    their quantized moments are read as float values (``foreign_float_values``) and quantized
+    in our formats. Options the saving optimizer did not have (torchao's groups have no
+    ``maximize``) are filled in from this optimizer's groups by ``prepare_load``.
+    Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
     ``state_dict``; ``block_size``, ``min_quant_size`` and ``bf16_stochastic_round`` from the
     optimizer's current groups. Moments of parameters with at least ``min_quant_size``
     elements are quantized in the optimizer's formats; the others stay float32.
@@ -247,11 +249,6 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
             )
         group = {k: v for k, v in saved.items() if k not in TORCH_ADAMW_GROUP_OPTIONS}
         group.update({k: own[k] for k in (*LOWBIT_GROUP_KEYS, "decoupled_weight_decay")})
-        # An option the saving optimizer did not have (torchao's groups have no maximize)
-        # keeps this optimizer's value.
-        for key, value in own.items():
-            if key not in ("params", "param_names"):
-                group.setdefault(key, value)
         groups.append(group)
     group_of = {saved_id: groups[i] for i, g in enumerate(groups) for saved_id in g["params"]}
 
@@ -285,7 +282,7 @@ def foreign_float_values(value: torch.Tensor) -> torch.Tensor:
     """A moment stored by another library's quantized state as its float32 values; any other
     tensor as it is.
 
-    torchao's ``OptimState8bit``/``OptimState4bit``/``OptimStateFp8`` are tensor subclasses
+    torchao's ``OptimState8bit``/``OptimState4bit`` (tested) are tensor subclasses
     with their own ``dequantize()``; their other ops (``reshape`` of a 4-bit state raised
     ``NotImplementedError ... aten.constant_pad_nd``) cannot be relied on, so their values are
     read once here and quantized again in our format: one rounding, like any format change.
@@ -329,6 +326,25 @@ def to_torch_adamw(state_dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+def _map_moments(state_dict: dict, slots: dict, convert) -> dict:
+    """``state_dict`` with ``convert(slot, key, moment)`` applied to every moment of a known
+    parameter (``None``: the moment stays as it is). Nothing is modified."""
+    state = {}
+    for saved_id, entry in state_dict["state"].items():
+        slot = slots.get(saved_id)
+        if slot is None or not isinstance(entry, Mapping):
+            state[saved_id] = entry
+            continue
+        entry = dict(entry)
+        for key in MOMENT_KEYS:
+            if key in entry:
+                converted = convert(slot, key, entry[key])
+                if converted is not None:
+                    entry[key] = converted
+        state[saved_id] = entry
+    return {**state_dict, "state": state}
+
+
 def _quantize_sharded_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
     """``state_dict`` with each float DTensor moment of a quantized parameter re-quantized.
 
@@ -338,50 +354,34 @@ def _quantize_sharded_float_moments(optimizer, state_dict: dict, slots: dict) ->
     quantized shards again, in ``optimizer``'s formats and the group's block size, before
     they are checked. Loaded with the sharding that saved them this is exact (each shard
     re-quantizes the values it dequantized); otherwise it costs one rounding. Anything else
-    is passed through, to be checked. Nothing is modified.
+    is passed through, to be checked.
     """
-    state = {}
-    for saved_id, entry in state_dict["state"].items():
-        slot = slots.get(saved_id)
-        if slot is None or not isinstance(entry, Mapping):
-            state[saved_id] = entry
-            continue
+    def convert(slot, key, value):
         group = {**optimizer.defaults, **slot.group}
-        entry = dict(entry)
-        for key in MOMENT_KEYS:
-            value = entry.get(key)
-            float_shard = is_dtensor(value) and not isinstance(local(value), QuantizedState)
-            if float_shard and optimizer.is_quantized(slot.param, group):
-                shard = local(value)
-                moment = QuantizedState.zeros(shard.shape, optimizer.moment_format(key), group["block_size"],
-                                              device=shard.device, dtype=slot.param.dtype)
-                entry[key] = wrap_like(moment.quantize_(shard), value)
-        state[saved_id] = entry
-    return {**state_dict, "state": state}
+        shard = local(value)
+        float_shard = is_dtensor(value) and not isinstance(shard, QuantizedState)
+        if not float_shard or not optimizer.is_quantized(slot.param, group):
+            return None
+        moment = QuantizedState.zeros(shard.shape, optimizer.moment_format(key), group["block_size"],
+                                      device=shard.device, dtype=slot.param.dtype)
+        return wrap_like(moment.quantize_(shard), value)
+
+    return _map_moments(state_dict, slots, convert)
 
 
 def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
     """``state_dict`` with each moment saved in an older format that this optimizer's format
     reads as its own (``QuantFormat.reads_codes_of``: the 8-bit second moment before issue 16)
     relabelled, codes and scales untouched: its codes mean the same values except code 0,
-    which now decodes to half the map's smallest value instead of 0. Nothing is modified."""
-    state = {}
-    for saved_id, entry in state_dict["state"].items():
-        if saved_id not in slots or not isinstance(entry, Mapping):
-            state[saved_id] = entry
-            continue
-        entry = dict(entry)
-        for key in MOMENT_KEYS:
-            value = entry.get(key)
-            shard = local(value)
-            if not isinstance(shard, QuantizedState):
-                continue
-            fmt = optimizer.moment_format(key)
-            if shard.format_name in fmt.reads_codes_of:
-                adopted = QuantizedState(shard.codes, shard.scales, fmt.name, shard.shape, shard.dtype)
-                entry[key] = wrap_like(adopted, value) if is_dtensor(value) else adopted
-        state[saved_id] = entry
-    return {**state_dict, "state": state}
+    which now decodes to half the map's smallest value instead of 0."""
+    def convert(slot, key, value):
+        shard, fmt = local(value), optimizer.moment_format(key)
+        if not isinstance(shard, QuantizedState) or shard.format_name not in fmt.reads_codes_of:
+            return None
+        adopted = QuantizedState(shard.codes, shard.scales, fmt.name, shard.shape, shard.dtype)
+        return wrap_like(adopted, value) if is_dtensor(value) else adopted
+
+    return _map_moments(state_dict, slots, convert)
 
 
 def _with_current_group_options(optimizer, state_dict: dict) -> dict:
