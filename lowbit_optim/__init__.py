@@ -1,6 +1,6 @@
 """Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
 
-from lowbit_optim.adamw import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit
+from lowbit_optim.adamw import Adam4bit, Adam8bit, AdamFp8, AdamW4bit, AdamW8bit, AdamWFp8
 from lowbit_optim.memory import state_bytes
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
@@ -12,8 +12,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Adam4bit",
     "Adam8bit",
+    "AdamFp8",
     "AdamW4bit",
     "AdamW8bit",
+    "AdamWFp8",
     "CPUOffloadOptimizer",
     "FORMATS",
     "LowBitAdamW",

@@ -6,6 +6,8 @@ from lowbit_optim.quant.formats import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
     DYNAMIC_8BIT_UNSIGNED_NONZERO,
+    FLOAT8,
+    FLOAT8_NONZERO,
     LINEAR_4BIT_NONZERO,
 )
 
@@ -33,10 +35,20 @@ class AdamW4bit(LowBitAdamW):
     exp_avg_sq_format = LINEAR_4BIT_NONZERO
 
 
+class AdamWFp8(LowBitAdamW):
+    """AdamW with float8 e4m3fn moments, one float32 scale per block of 256 (torchao's
+    ``AdamWFp8`` layout, ~2.03 bytes/param); the second moment's code 0 stands for half the
+    smallest positive value instead of 0 (``codecs.ZeroFreeCodec``, issue 16). Same
+    arguments as ``AdamW8bit``."""
+
+    exp_avg_format = FLOAT8
+    exp_avg_sq_format = FLOAT8_NONZERO
+
+
 class _L2WeightDecay:
     """torch.optim.Adam's semantics for the class it is mixed into: weight decay added to the
-    gradient, and ``weight_decay=0`` by default (torchao's ``Adam8bit``/``Adam4bit`` take the
-    same arguments)."""
+    gradient, and ``weight_decay=0`` by default (torchao's ``Adam8bit``/``Adam4bit``/``AdamFp8``
+    take the same arguments)."""
 
     decoupled_weight_decay = False
 
@@ -57,3 +69,10 @@ class Adam4bit(_L2WeightDecay, LowBitAdamW):
 
     exp_avg_format = AdamW4bit.exp_avg_format
     exp_avg_sq_format = AdamW4bit.exp_avg_sq_format
+
+
+class AdamFp8(_L2WeightDecay, LowBitAdamW):
+    """``torch.optim.Adam`` (L2 weight decay) with ``AdamWFp8``'s state formats."""
+
+    exp_avg_format = AdamWFp8.exp_avg_format
+    exp_avg_sq_format = AdamWFp8.exp_avg_sq_format

@@ -226,7 +226,8 @@ def _is_plain_moment(key, value) -> bool:
 def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     """A ``torch.optim.AdamW`` state dict as ``optimizer`` (a ``LowBitAdamW``) would save it.
 
-    Also takes a state dict of torchao's ``AdamW8bit``/``AdamW4bit``/``Adam8bit``/``Adam4bit``:
+    Also takes a state dict of torchao's ``AdamW8bit``/``AdamW4bit``/``AdamWFp8``/``Adam8bit``/
+    ``Adam4bit``/``AdamFp8``:
     their quantized moments are read as float values (``foreign_float_values``) and quantized
     in our formats. Options the saving optimizer did not have (torchao's groups have no
     ``maximize``) are filled in from this optimizer's groups by ``prepare_load``.
@@ -282,7 +283,7 @@ def foreign_float_values(value: torch.Tensor) -> torch.Tensor:
     """A moment stored by another library's quantized state as its float32 values; any other
     tensor as it is.
 
-    torchao's ``OptimState8bit``/``OptimState4bit`` (tested) are tensor subclasses
+    torchao's ``OptimState8bit``/``OptimState4bit``/``OptimStateFp8`` (tested) are tensor subclasses
     with their own ``dequantize()``; their other ops (``reshape`` of a 4-bit state raised
     ``NotImplementedError ... aten.constant_pad_nd``) cannot be relied on, so their values are
     read once here and quantized again in our format: one rounding, like any format change.

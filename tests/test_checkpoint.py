@@ -10,10 +10,10 @@ import torch
 from conftest import relative_rmse
 from torch import nn
 
-from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
 from lowbit_optim.checkpoint import from_torch_adamw, to_torch_adamw
 
-OPTIMIZERS = [AdamW8bit, AdamW4bit]
+OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8]
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md"
 
 
@@ -112,6 +112,8 @@ RESUME_CASES = [
     (AdamW4bit, torch.float32, "eager", False),
     (AdamW8bit, torch.bfloat16, "eager", True),
     (AdamW4bit, torch.bfloat16, "eager", True),
+    (AdamWFp8, torch.float32, "compile", False),
+    (AdamWFp8, torch.bfloat16, "eager", True),
 ]
 
 

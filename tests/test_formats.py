@@ -14,6 +14,8 @@ from lowbit_optim.quant.formats import (
     DYNAMIC_8BIT_SIGNED,
     DYNAMIC_8BIT_UNSIGNED,
     DYNAMIC_8BIT_UNSIGNED_NONZERO,
+    FLOAT8,
+    FLOAT8_NONZERO,
     FORMATS,
     LINEAR_4BIT_NONZERO,
     get_format,
@@ -21,7 +23,7 @@ from lowbit_optim.quant.formats import (
 from lowbit_optim.state import QuantizedState
 
 ALL_FORMATS = list(FORMATS.values())
-SIGNED = {DYNAMIC_8BIT_SIGNED.name, DYNAMIC_4BIT_SIGNED.name}
+SIGNED = {DYNAMIC_8BIT_SIGNED.name, DYNAMIC_4BIT_SIGNED.name, FLOAT8.name}
 ODD_SIZES = [1, 127, 4095, 4096, 4097, 1_000_003]
 
 
@@ -40,6 +42,9 @@ MAX_ERROR_PER_ABSMAX = {
     DYNAMIC_8BIT_UNSIGNED_NONZERO.name: 0.9 / 128 / 2 * 1.001,
     DYNAMIC_4BIT_SIGNED.name: (1 - 0.8875) * 1.001,
     LINEAR_4BIT_NONZERO.name: 1 / 16 * 1.001,
+    # e4m3fn's top binade [256, 448] is 32 apart: half of it, of 448.
+    FLOAT8.name: 16 / 448 * 1.001,
+    FLOAT8_NONZERO.name: 16 / 448 * 1.001,
 }
 
 
@@ -98,12 +103,18 @@ def reference_encode(fmt, normalized):
     """The encoders as first written (issue 2), the oracle for the faster ones: a 16-entry map
     counts the midpoints a value exceeds; a dynamic map takes the decade from ``log10``,
     selects its constants with ``decade == d`` and corrects at the decade's lower midpoint
-    and at the top. Stored states, old checkpoints and the Triton kernel follow these codes."""
-    codec = fmt.codec
+    and at the top; float8 is torch's cast. Stored states, old checkpoints and the Triton kernel
+    follow these codes."""
+    return reference_codes(fmt.codec, normalized)
+
+
+def reference_codes(codec, normalized):
     if isinstance(codec, codecs.ZeroFreeCodec):
-        # Its own first edge (3/4 of the smallest value), the unsigned map's other edges.
-        zero_free = torch.where(normalized < codec._first_edge, 0.0, normalized)
-        return reference_encode(FORMATS[DYNAMIC_8BIT_UNSIGNED.name], zero_free)
+        # Its own first edge (3/4 of the smallest value), the inner codec's other edges.
+        zero_free = torch.where(normalized < 0.75 * float(codec.table[1]), 0.0, normalized)
+        return reference_codes(codec.inner, zero_free)
+    if isinstance(codec, codecs.Float8Codec):
+        return (normalized * 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     if isinstance(codec, codecs.SmallTableCodec):
         code = torch.zeros_like(normalized)
         for midpoint in codec._midpoints:
@@ -167,6 +178,31 @@ def test_quantize_matches_the_reference_on_odd_blocks(fmt):
     normalized = torch.nan_to_num(normalized, nan=0.0).clamp(-1, 1)
     assert torch.equal(scales, expected_scales)
     assert torch.equal(fmt.unpack(codes), reference_encode(fmt, normalized))
+
+
+def test_float8_bit_arithmetic_is_torchs_cast():
+    # Every float32 within 4096 ulps of an e4m3fn value or of a midpoint between two (the
+    # rounding edges: ties go to even), every 257th float32 in [0, 448], and 0, -0 and
+    # float32 subnormals; both signs. Checked once on every float32 in [-448, 448].
+    e4m3 = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    anchors = torch.cat([e4m3, (e4m3[1:] + e4m3[:-1]) / 2])
+    bits = anchors.view(torch.int32)[:, None] + torch.arange(-4096, 4097, dtype=torch.int32)
+    top = torch.tensor(448.0).view(torch.int32)
+    spread = torch.arange(0, int(top) + 1, 257, dtype=torch.int32)
+    values = torch.cat([bits.reshape(-1).clamp(0, int(top)), spread]).view(torch.float32)
+    values = torch.cat([values, torch.tensor([0.0, 1e-45, 1e-40, 1.1754942e-38])])
+    for signed in (values, -values):
+        expected = signed.to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(codecs.e4m3fn_bits(signed), expected)
+
+
+def test_zero_free_codecs_never_decode_zero():
+    for fmt in (DYNAMIC_8BIT_UNSIGNED_NONZERO, FLOAT8_NONZERO):
+        assert (fmt.table != 0).all(), fmt.name
+        normalized = torch.linspace(0, 1, 100_001)
+        assert (fmt.codec.decode(fmt.codec.encode(normalized)) > 0).all(), fmt.name
+    with pytest.raises(ValueError, match="code 0 is 0"):
+        codecs.ZeroFreeCodec(codecs.SIGNED_8BIT_CODEC)
 
 
 def test_linear_encoder_is_exact_arithmetic():
@@ -248,7 +284,8 @@ def test_4bit_packing_layout():
 def test_state_bytes_per_element():
     shape = (1024, 1024)
     for first, second, limit in [(DYNAMIC_8BIT_SIGNED, DYNAMIC_8BIT_UNSIGNED, 2.04),
-                                 (DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO, 1.07)]:
+                                 (DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO, 1.07),
+                                 (FLOAT8, FLOAT8_NONZERO, 2.04)]:
         states = [QuantizedState.zeros(shape, fmt, fmt.default_block_size) for fmt in (first, second)]
         nbytes = sum(s.codes.nbytes + s.scales.nbytes for s in states)
         assert nbytes / (1024 * 1024) <= limit
@@ -274,7 +311,7 @@ def test_unknown_format_and_bad_block_size():
         QuantizedState.zeros((10,), DYNAMIC_4BIT_SIGNED, 7)
 
 
-@pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit"])
+@pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
 def test_compiled_cpu_step_has_no_scalar_fallbacks(optimizer):
     """Guards issue 14's CPU speed-ups in Inductor's generated C++: no float64 ``std::pow``
     per vector iteration (the bias corrections are computed once), no element-by-element

@@ -1,12 +1,13 @@
 """A checkpoint of torchao's low-bit optimizer resumes in ours (issue 15), with real torchao:
-each of its AdamW8bit, AdamW4bit, Adam8bit and Adam4bit into our class of the same name."""
+each of its AdamW8bit, AdamW4bit, AdamWFp8, Adam8bit, Adam4bit and AdamFp8 into our class of the
+same name."""
 
 import io
 
 import pytest
 import torch
 
-from lowbit_optim import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit, QuantizedState
+from lowbit_optim import Adam4bit, Adam8bit, AdamFp8, AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
 from lowbit_optim.checkpoint import foreign_float_values
 
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -16,6 +17,8 @@ PAIRS = {
     "AdamW4bit": (torchao_optim.AdamW4bit, AdamW4bit),
     "Adam8bit": (torchao_optim.Adam8bit, Adam8bit),
     "Adam4bit": (torchao_optim.Adam4bit, Adam4bit),
+    "AdamWFp8": (torchao_optim.AdamWFp8, AdamWFp8),
+    "AdamFp8": (torchao_optim.AdamFp8, AdamFp8),
 }
 STEPS = 3
 

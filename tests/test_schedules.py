@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler
 
-from lowbit_optim import AdamW4bit, AdamW8bit, backends
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, backends
 
 STEPS = 30
 
@@ -51,7 +51,7 @@ SCHEDULES["transformers.get_scheduler(cosine)"] = transformers_cosine
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
-@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit, AdamWFp8], ids=lambda c: c.__name__)
 def test_schedulers_cause_no_recompiles(cls, name):
     model = make_model()
     optimizer = cls(model.parameters(), lr=1e-3, backend="compile")
@@ -107,16 +107,17 @@ def test_every_manual_change_is_taken_without_recompiles():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-def test_twelve_distinct_shapes_share_one_graph():
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamWFp8], ids=lambda c: c.__name__)
+def test_twelve_distinct_shapes_share_one_graph(cls):
     shapes = [(64 + 8 * i, 72 + 4 * i) for i in range(12)]  # 4608 .. 17424 elements
     assert len(set(shapes)) == 12
     small = [torch.nn.Parameter(torch.randn(96, 48))]
     many = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
-    optimizer = AdamW8bit(small, backend="compile")
+    optimizer = cls(small, backend="compile")
     small[0].grad = torch.randn_like(small[0])
     optimizer.step()
     graphs_for_one_shape = graph_count(optimizer)
-    optimizer = AdamW8bit(many, backend="compile")
+    optimizer = cls(many, backend="compile")
     for _ in range(2):
         for p in many:
             p.grad = torch.randn_like(p)

@@ -22,9 +22,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
+from lowbit_optim.quant.formats import FLOAT8
 
-OPTIMIZERS = [AdamW8bit, AdamW4bit]
+OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8]
 BETAS = (0.9, 0.999)
 QUANTIZATION_ALLOWANCE = 4.0
 
@@ -36,24 +37,40 @@ def adam_bound(step: int, betas=BETAS) -> float:
     return ratio * math.sqrt(1 - beta2**step) / (1 - beta1**step)
 
 
+def repro_move(make) -> float:
+    """The issue's repro: a gradient 1e-4 next to 1.0 in one block, then 0; returns how far
+    the small element moved."""
+    param = torch.nn.Parameter(torch.zeros(4096))
+    optimizer = make([param])
+    grad = torch.full((4096,), 1e-4)
+    grad[::256] = 1.0
+    for step_grad in (grad, torch.zeros(4096)):
+        param.grad = step_grad.clone()
+        optimizer.step()
+    return param[1].item()
+
+
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 def test_zero_point_repro_moves_at_most_ten_times_torch(cls):
-    """The issue's repro: a gradient 1e-4 next to 1.0 in one block, then 0. The old 8-bit
-    second moment decoded the small element's v to 0 and moved it by -4.20 (torch: -0.00167)."""
-    def run(make):
-        param = torch.nn.Parameter(torch.zeros(4096))
-        optimizer = make([param])
-        grad = torch.full((4096,), 1e-4)
-        grad[::256] = 1.0
-        for step_grad in (grad, torch.zeros(4096)):
-            param.grad = step_grad.clone()
-            optimizer.step()
-        return param[1].item()
-
-    expected = run(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    actual = run(lambda ps: cls(ps, lr=1e-3))
+    """The old 8-bit second moment decoded the small element's v to 0 and moved it by -4.20
+    (torch: -0.00167)."""
+    expected = repro_move(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    actual = repro_move(lambda ps: cls(ps, lr=1e-3))
     assert abs(actual) <= 10 * abs(expected), (actual, expected)
     assert actual < 0, "still moves against the gradient"
+
+
+def test_float8_second_moment_with_a_zero_code_has_the_hazard():
+    """Why AdamWFp8's second moment is zero-free: with torchao's plain e4m3fn layout (code 0
+    is 0, the smallest positive value 4.4e-6 of the block's largest) the repro's v of
+    1e-8 / 1 decodes to 0 and the element jumps (measured -4.54; torchao's AdamWFp8 quantizes
+    the same way)."""
+
+    class PlainFloat8(AdamWFp8):
+        exp_avg_sq_format = FLOAT8
+
+    expected = repro_move(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    assert abs(repro_move(lambda ps: PlainFloat8(ps, lr=1e-3))) > 1000 * abs(expected)
 
 
 MAGNITUDES = st.sampled_from([0.0, 1e-30, 1e-12, 1e-8, 1e-4, 1e-2, 1.0, 1e4, 1e12])

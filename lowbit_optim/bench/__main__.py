@@ -21,10 +21,11 @@ from lowbit_optim.bench.train import TrainConfig, train
 
 BASELINE = "torch_adamw"
 DEFAULT_OPTIMIZERS = ("torch_adamw", "lowbit_8bit", "lowbit_4bit")
-# ``--optimizers all``: the default set plus every peer that is installed. Peers are not in
-# the default run because torchao compiles one graph per parameter shape (~25-30 s of first
-# step each here) and steps 2-5x slower than ours, which does not fit the 3-minute budget.
-ALL_OPTIMIZERS = DEFAULT_OPTIMIZERS + harness.PEERS
+# ``--optimizers all``: the default set, our float8 optimizer and every peer that is
+# installed. Peers are not in the default run because torchao compiles one graph per
+# parameter shape (~25-30 s of first step each here) and steps 2-5x slower than ours, which
+# does not fit the 3-minute budget.
+ALL_OPTIMIZERS = DEFAULT_OPTIMIZERS + ("lowbit_fp8",) + harness.PEERS
 
 # Each preset: the model and the training run that suits it. "small" is the default: on a
 # 2-core CPU it takes ~3 minutes for the three default optimizers, cold compile included. Its

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,14 @@ OPTIMIZERS = {
                       lambda params, **hyper: torch.optim.AdamW(params, foreach=True, **hyper)),
         OptimizerSpec("lowbit_8bit", "lowbit_optim AdamW8bit", None, AdamW8bit),
         OptimizerSpec("lowbit_4bit", "lowbit_optim AdamW4bit", None, AdamW4bit),
+        OptimizerSpec("lowbit_fp8", "lowbit_optim AdamWFp8", None, AdamWFp8),
         OptimizerSpec("torchao_8bit", "torchao AdamW8bit", "torchao", _torchao("AdamW8bit")),
         OptimizerSpec("torchao_4bit", "torchao AdamW4bit", "torchao", _torchao("AdamW4bit")),
+        OptimizerSpec("torchao_fp8", "torchao AdamWFp8", "torchao", _torchao("AdamWFp8")),
         OptimizerSpec("bnb_8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb_8bit),
     )
 }
-PEERS = ("torchao_8bit", "torchao_4bit", "bnb_8bit")
+PEERS = ("torchao_8bit", "torchao_4bit", "torchao_fp8", "bnb_8bit")
 
 
 def package_version(distribution: str) -> str | None:

@@ -90,6 +90,13 @@ class LinearNonzeroCodec(SmallTableCodec):
         return (codes.to(torch.float32) + 1.0) * (1.0 / self._levels)
 
 
+def gather_decode(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``table[codes]`` for byte codes and a 256-entry table."""
+    # _unsafe_index: a byte cannot leave a 256-entry table, and plain indexing made
+    # Inductor check bounds on int64 copies of the codes, 16 elements at a time.
+    return torch.ops.aten._unsafe_index(table.to(codes.device), [codes.to(torch.int32)])
+
+
 class DynamicExponentCodec:
     """Nearest-code search for the 8-bit dynamic-tree maps by exponent arithmetic.
 
@@ -161,41 +168,102 @@ class DynamicExponentCodec:
         return code.to(torch.uint8)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        # _unsafe_index: a byte cannot leave a 256-entry table, and plain indexing made
-        # Inductor check bounds on int64 copies of the codes, 16 elements at a time.
-        return torch.ops.aten._unsafe_index(self.table.to(codes.device), [codes.to(torch.int32)])
+        return gather_decode(self.table, codes)
+
+
+E4M3FN_SMALLEST_NORMAL_BITS = 0x3C800000  # float32 bits of 2**-6
+# 2**14: float32's ulp there is 2**-9, e4m3fn's subnormal step.
+E4M3FN_SUBNORMAL_SHIFT, E4M3FN_SUBNORMAL_SHIFT_BITS = 16384.0, 0x46800000
+E4M3FN_BIAS_CHANGE = (127 - 7) << 3  # float32's exponent bias minus e4m3fn's, in code units
+
+
+def e4m3fn_bits(values: torch.Tensor) -> torch.Tensor:
+    """``values.to(torch.float8_e4m3fn).view(torch.uint8)`` for float32 ``|values| <= 448``,
+    by integer arithmetic (``Float8Codec`` explains it); the Triton kernel's ``_e4m3fn_bits``
+    is the same code."""
+    bits = values.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    sign = (bits >> 24) & 0x80
+    normal = ((magnitude + (0x7FFFF + ((magnitude >> 20) & 1))) >> 20) - E4M3FN_BIAS_CHANGE
+    subnormal = (values.abs() + E4M3FN_SUBNORMAL_SHIFT).view(torch.int32) - E4M3FN_SUBNORMAL_SHIFT_BITS
+    code = torch.where(magnitude < E4M3FN_SMALLEST_NORMAL_BITS, subnormal, normal) | sign
+    return code.to(torch.uint8)
+
+
+class Float8Codec:
+    """float8 e4m3fn codes (torchao's ``AdamWFp8`` state): code = the e4m3fn bits of
+    ``x * 448`` for a normalised value ``x`` in [-1, 1], rounded to nearest even, exactly
+    ``(x * 448).to(torch.float8_e4m3fn)`` (448 is e4m3fn's largest finite value, so the
+    block's absolute maximum takes code 0x7E). Decoding is one gather from the 256 values
+    ``e4m3fn(code) / 448`` in float32.
+
+    The encoder is integer arithmetic on the float32 bits rather than torch's cast, so that
+    the Triton kernel can run the same code (sm_80 has no float8 conversion instruction and
+    the interpreter none at all) and Inductor vectorises it on CPU. With ``y = x * 448``:
+
+    * ``|y| >= 2**-6`` (e4m3fn normals): drop 20 of float32's 23 mantissa bits rounding to
+      nearest even (add ``0x7FFFF`` plus the lowest kept bit, shift), then move the exponent
+      bias from 127 to 7 (subtract ``120 << 3``). A carry out of the mantissa correctly
+      bumps the exponent; ``|y| <= 448`` never reaches the NaN pattern 0x7F.
+    * ``|y| < 2**-6`` (subnormals, multiples of 2**-9): adding ``2**14`` makes float32's
+      last mantissa bit worth 2**-9, so the hardware addition rounds ``|y|`` to nearest even
+      in those units, and the sum's bits minus those of ``2**14`` are the code.
+    * The sign bit moves from bit 31 to bit 7 (``-0`` keeps it, as torch's cast does).
+
+    ``tests/test_formats.py`` checks it against torch's cast on every float32 near an e4m3fn
+    value or a rounding edge. The two NaN patterns (0x7F, 0xFF), which it never produces,
+    decode as +-1: a corrupted code cannot make a moment NaN.
+    """
+
+    largest = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+    def __init__(self):
+        codes = torch.arange(256, dtype=torch.int32)
+        values = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        saturated = torch.where(codes < 128, self.largest, -self.largest)
+        self.table = torch.where(values.isnan(), saturated, values) / self.largest
+
+    def encode(self, normalized: torch.Tensor) -> torch.Tensor:
+        return e4m3fn_bits(normalized * self.largest)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return gather_decode(self.table, codes)
 
 
 class ZeroFreeCodec:
-    """An unsigned map's codec with code 0 standing for half the smallest positive value
-    instead of 0 (issue 16, the zero-point hazard).
+    """A codec whose code 0 stands for 0 and code 1 for its smallest positive value, with
+    every code that decoded to 0 standing for half that value instead (issue 16, the
+    zero-point hazard); for a second moment, which is never negative.
 
     With an exact zero, a second-moment element far below its block's largest (a gradient
-    under ~1.3e-4 of the block's largest, for the 8-bit dynamic map) decodes to 0 while its
-    first moment does not, and the next step divides by ``eps``: a parameter moved 2,500x
-    what AdamW moves it. Here it decodes to ``t1 / 2`` of the block's scale (``t1`` the
-    smallest positive value), never to 0, so ``m / sqrt(v)`` stays bounded; a true 0 (the
-    block's scale 0, or an element that never had a gradient while its first moment is 0
-    too) still yields a zero update. Codes are nearest to this table: the first bin edge moves
-    from ``t1 / 2`` to ``3 t1 / 4`` (one select before the unsigned codec's encoder), every
-    other edge is the unsigned codec's; decoding is the same one gather from this table.
-    Codes of the plain unsigned format read as this one's (``QuantFormat.reads_codes_of``):
-    only code 0's meaning changes.
+    under ~1.3e-4 of the block's largest, for the 8-bit dynamic map; under ~1.5e-3 for
+    float8 e4m3fn, whose smallest positive value is 2**-9 / 448 = 4.4e-6 of the block's
+    largest) decodes to 0 while its first moment does not, and the next step divides by
+    ``eps``: a parameter moved 2,500x what AdamW moves it. Here it decodes to ``t1 / 2`` of
+    the block's scale (``t1`` the smallest positive value), never to 0, so ``m / sqrt(v)``
+    stays bounded; a true 0 (the block's scale 0, or an element that never had a gradient
+    while its first moment is 0 too) still yields a zero update. Codes are nearest to this
+    table: the first bin edge moves from ``t1 / 2`` to ``3 t1 / 4`` (one select before the
+    inner codec's encoder, which sends everything below it to code 0), every other edge is
+    the inner codec's; decoding is the same one gather from this table. Codes of the inner
+    codec's format read as this one's (``QuantFormat.reads_codes_of``): only the zeros'
+    meaning changes.
     """
 
-    def __init__(self, inner: DynamicExponentCodec):
-        if inner.signed or inner._zero_code != 0:
-            raise ValueError("ZeroFreeCodec replaces code 0 of an unsigned map")
+    def __init__(self, inner):
+        smallest = float(inner.table[inner.table > 0].min())
+        if float(inner.table[0]) != 0 or float(inner.table[1]) != smallest:
+            raise ValueError("ZeroFreeCodec needs a codec whose code 0 is 0 and code 1 its smallest "
+                             "positive value")
         self.inner = inner
-        smallest = float(inner.table[1])
-        self.table = inner.table.clone()
-        self.table[0] = smallest / 2
-        self._first_edge = (float(self.table[0]) + smallest) / 2
+        self.table = torch.where(inner.table == 0, smallest / 2, inner.table)
+        self.first_edge = (smallest / 2 + smallest) / 2
 
     def encode(self, normalized: torch.Tensor) -> torch.Tensor:
-        return self.inner.encode(torch.where(normalized < self._first_edge, 0.0, normalized))
+        return self.inner.encode(torch.where(normalized < self.first_edge, 0.0, normalized))
 
-    decode = DynamicExponentCodec.decode  # the same gather, from this codec's table
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return gather_decode(self.table, codes)
 
 
 SIGNED_8BIT_CODEC = DynamicExponentCodec(maps.SIGNED_8BIT, signed=True)
@@ -203,3 +271,5 @@ UNSIGNED_8BIT_CODEC = DynamicExponentCodec(maps.UNSIGNED_8BIT, signed=False)
 UNSIGNED_8BIT_NONZERO_CODEC = ZeroFreeCodec(UNSIGNED_8BIT_CODEC)
 SIGNED_4BIT_CODEC = SmallTableCodec(maps.SIGNED_4BIT)
 LINEAR_4BIT_CODEC = LinearNonzeroCodec(maps.LINEAR_4BIT)
+FLOAT8_CODEC = Float8Codec()
+FLOAT8_NONZERO_CODEC = ZeroFreeCodec(FLOAT8_CODEC)

@@ -134,11 +134,18 @@ DYNAMIC_8BIT_UNSIGNED_NONZERO = QuantFormat(
 )
 DYNAMIC_4BIT_SIGNED = QuantFormat("dynamic4-signed", 4, codecs.SIGNED_4BIT_CODEC, 128)
 LINEAR_4BIT_NONZERO = QuantFormat("linear4-nonzero", 4, codecs.LINEAR_4BIT_CODEC, 128)
+# torchao's AdamWFp8 layout (e4m3fn codes, blocks of 256: ~2.03 bytes/param for both moments).
+FLOAT8 = QuantFormat("float8-e4m3", 8, codecs.FLOAT8_CODEC, 256)
+# Its second moment with no zero code: e4m3fn's smallest positive value is 4.4e-6 of the
+# block's largest, so the zero-point hazard of issue 16 is wider than for the 8-bit map.
+FLOAT8_NONZERO = QuantFormat(
+    "float8-e4m3-nonzero", 8, codecs.FLOAT8_NONZERO_CODEC, 256, reads_codes_of=(FLOAT8.name,),
+)
 
 FORMATS = {
     fmt.name: fmt
     for fmt in (DYNAMIC_8BIT_SIGNED, DYNAMIC_8BIT_UNSIGNED, DYNAMIC_8BIT_UNSIGNED_NONZERO,
-                DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO)
+                DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO, FLOAT8, FLOAT8_NONZERO)
 }
 
 
