@@ -81,7 +81,8 @@ def test_checkpoint_saved_before_the_group_option_loads():
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test: runs in CPU CI")
 @pytest.mark.usefixtures("interpreter")
-def test_adam_on_the_triton_kernel_matches_eager():
+@pytest.mark.parametrize("cls", [Adam8bit, AdamFp8], ids=lambda c: c.__name__)
+def test_adam_on_the_triton_kernel_matches_eager(cls):
     """The kernel's L2 variant (TRITON_INTERPRET=1) against the eager step."""
     torch.manual_seed(0)
     start = torch.randn(64, 80)
@@ -89,7 +90,7 @@ def test_adam_on_the_triton_kernel_matches_eager():
     results = {}
     for backend in ("triton", "eager"):
         param = torch.nn.Parameter(start.clone())
-        optimizer = Adam8bit([param], lr=1e-2, weight_decay=0.5, min_quant_size=0, backend=backend)
+        optimizer = cls([param], lr=1e-2, weight_decay=0.5, min_quant_size=0, backend=backend)
         for grad in grads:
             param.grad = grad.clone()
             optimizer.step()

@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA, assert_close_verbose
 
-from lowbit_optim import AdamW4bit, AdamW8bit, backends, distributed
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, backends, distributed
 from lowbit_optim.functional import quantized_adamw_step
 from lowbit_optim.quant.formats import get_format
 from lowbit_optim.state import QuantizedState
@@ -51,6 +51,7 @@ finally:
 KINDS = {
     "8bit": (get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero"), 256),
     "4bit": (get_format("dynamic4-signed"), get_format("linear4-nonzero"), 128),
+    "fp8": (get_format("float8-e4m3"), get_format("float8-e4m3-nonzero"), 256),
 }
 CODE_EDGE_RELATIVE, CODE_EDGE_ABSOLUTE = 2.0**-18, 2.0**-22
 UPDATE_RELATIVE = 2.0**-20
@@ -369,7 +370,7 @@ def test_stochastic_rounding_follows_torch_seed():
 
 
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamW4bit, AdamWFp8], ids=lambda c: c.__name__)
 def test_optimizer_triton_backend_matches_eager(optimizer_class):
     """The whole optimizer: several quantized params in one group (one of them a transposed,
     non-contiguous view), a small float32-state bias, two groups, LR and betas changed
@@ -500,7 +501,7 @@ def test_cuda_within_stated_bounds(kind, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamW4bit, AdamWFp8], ids=lambda c: c.__name__)
 def test_cuda_matches_eager_no_copies_no_rejit(optimizer_class):
     """backend=None picks Triton on CUDA; against eager CUDA the codes may differ only at
     rounding ties (eager CUDA divides by a scalar as a multiply by its reciprocal), counted

@@ -37,8 +37,11 @@ instructions per element), with these bounds (``RN`` is float32 round-to-nearest
   map. The linear map ``(k + 1) / 16`` encodes as ``clamp(ceil(v * (16 r) - 1.5), 0, 15)``
   with one FMA, a single rounding of a value whose error the normalisation bound already
   covers (``16 x - 1.5`` itself is exact wherever the ceiling can change), and decodes as
-  ``fma(k, 1/16, 1/16)``, exactly the table's value. 256-entry
-  tables decode with ``tl.gather`` (shared memory), 16-entry ones too.
+  ``fma(k, 1/16, 1/16)``, exactly the table's value. Float8 e4m3fn (``AdamWFp8``) encodes
+  ``RN(x * 448)`` by integer arithmetic on its bits, exactly the reference's
+  ``codecs.e4m3fn_bits`` (torch's cast); its bin edges sit within an ulp of ``x``'s
+  midpoints, so the normalisation bound alone separates its codes from the reference's.
+  256-entry tables (float8 too) decode with ``tl.gather`` (shared memory), 16-entry ones too.
 * The update: ``sqrt`` is ``sqrt.approx.f32`` (relative error <= 2**-22; a subnormal ``v'``
   may flush to 0, which moves ``denom`` by less than 2**-63 / sqrt(1 - beta2**t)),
   ``1 / sqrt(1 - beta2**t)`` is formed on the host and ``+ eps`` is one FMA, and
@@ -71,6 +74,7 @@ import triton.language as tl
 from lowbit_optim.kernels import layout as layouts
 from lowbit_optim.kernels import tables
 from lowbit_optim.kernels.tables import codec_kind, device_tables
+from lowbit_optim.quant import codecs
 from lowbit_optim.quant.formats import QuantFormat
 
 # Elements per program: 2048 with 4 warps is 16 elements per thread (four 16-byte loads of
@@ -86,6 +90,23 @@ INTERPRETER_TILE_ELEMENTS = 16384
 
 _LINEAR = tl.constexpr(tables.LINEAR)
 _SIGNED_TABLE = tl.constexpr(tables.SIGNED_TABLE)
+_FLOAT8 = tl.constexpr(tables.FLOAT8)
+_FLOAT8_LARGEST = tl.constexpr(codecs.Float8Codec.largest)
+_E4M3FN_SMALLEST_NORMAL_BITS = tl.constexpr(codecs.E4M3FN_SMALLEST_NORMAL_BITS)
+_E4M3FN_SUBNORMAL_SHIFT = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT)
+_E4M3FN_SUBNORMAL_SHIFT_BITS = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT_BITS)
+_E4M3FN_BIAS_CHANGE = tl.constexpr(codecs.E4M3FN_BIAS_CHANGE)
+# The layout table's columns (lowbit_optim.kernels.layout).
+_PARAM = tl.constexpr(layouts.PARAM)
+_GRAD = tl.constexpr(layouts.GRAD)
+_EXP_AVG_CODES = tl.constexpr(layouts.EXP_AVG_CODES)
+_EXP_AVG_SCALES = tl.constexpr(layouts.EXP_AVG_SCALES)
+_EXP_AVG_SQ_CODES = tl.constexpr(layouts.EXP_AVG_SQ_CODES)
+_EXP_AVG_SQ_SCALES = tl.constexpr(layouts.EXP_AVG_SQ_SCALES)
+_MAX_CODES = tl.constexpr(layouts.MAX_CODES)
+_MAX_SCALES = tl.constexpr(layouts.MAX_SCALES)
+_NUMEL = tl.constexpr(layouts.NUMEL)
+_FIRST_PROGRAM = tl.constexpr(layouts.FIRST_PROGRAM)
 # Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
 _TINY_SCALE = tl.constexpr(2.0**-125)
 _TINY_FACTOR = tl.constexpr(2.0**64)
@@ -179,14 +200,27 @@ def _load_moment(codes_ptr, scales_ptr, table, rows, cols, row_mask,
 
 
 @triton.jit
-def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC: tl.constexpr):
+def _e4m3fn_bits(values):
+    """``codecs.e4m3fn_bits``: the float8 e4m3fn bits of float32 ``|values| <= 448``, rounded
+    to nearest even, by integer arithmetic (no float8 conversion instruction needed)."""
+    bits = values.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    sign = (bits >> 24) & 0x80
+    normal = ((magnitude + (0x7FFFF + ((magnitude >> 20) & 1))) >> 20) - _E4M3FN_BIAS_CHANGE
+    shifted = (tl.abs(values) + _E4M3FN_SUBNORMAL_SHIFT).to(tl.int32, bitcast=True)
+    subnormal = shifted - _E4M3FN_SUBNORMAL_SHIFT_BITS
+    return tl.where(magnitude < _E4M3FN_SMALLEST_NORMAL_BITS, subnormal, normal) | sign
+
+
+@triton.jit
+def _encode(values, reciprocal, factor, edges_ptr, BITS: tl.constexpr, CODEC: tl.constexpr):
     """Nearest code of ``values / scale`` given per-row ``reciprocal = 1 / (scale * factor)``."""
-    # No clamp to [-1, 1]: both encoders give values beyond +-1 (inf, or 1 + 1 ulp from the
-    # reciprocal) the code of +-1 already. NaN arises only as inf * 0, an overflowed moment in
-    # a block whose finite values are all 0, and must encode as 0 does (the reference's
-    # normalised value is 0 there): the linear encoder's NaN-dropping clamp and the search
-    # (which puts NaN below every midpoint: code 0) do that by themselves when code 0 is the
-    # code nearest 0; signed maps select.
+    # No clamp to [-1, 1] for the linear and table encoders: they give values beyond +-1
+    # (inf, or 1 + 1 ulp from the reciprocal) the code of +-1 already. NaN arises only as
+    # inf * 0, an overflowed moment in a block whose finite values are all 0, and must encode
+    # as 0 does (the reference's normalised value is 0 there): the linear encoder's
+    # NaN-dropping clamp and the search (which puts NaN below every midpoint: code 0) do that
+    # by themselves when code 0 is the code nearest 0; signed maps and float8 select.
     if CODEC == _LINEAR:
         # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped;
         # one FMA with the per-row 2**bits / scale rounds once where x * 2**bits - 1.5 would
@@ -194,6 +228,14 @@ def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC
         levels: tl.constexpr = 1 << BITS
         code = tl.math.ceil(tl.fma(values * factor, reciprocal * levels, -1.5))
         code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
+    elif CODEC == _FLOAT8:
+        # As the reference normalises (NaN to 0, then clamped: inf or 1 + 1 ulp must not
+        # reach e4m3fn's NaN pattern), then a zero-free codec's floor (-inf for the plain one).
+        normalized = (values * factor) * reciprocal
+        normalized = tl.where(normalized == normalized, normalized, 0.0)
+        normalized = tl.minimum(tl.maximum(normalized, -1.0), 1.0)
+        normalized = tl.where(normalized < tl.load(edges_ptr), 0.0, normalized)
+        code = _e4m3fn_bits(normalized * _FLOAT8_LARGEST)
     else:
         normalized = (values * factor) * reciprocal
         if CODEC == _SIGNED_TABLE:
@@ -201,11 +243,11 @@ def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC
         # Branch-free binary search: after it, code = number of midpoints below x. The first
         # two steps compare with uniform scalars (no gather); the rest gather the midpoint.
         size: tl.constexpr = 1 << BITS
-        upper = normalized > tl.load(midpoints_ptr + (size // 2 - 1))
-        quarter = tl.where(upper, tl.load(midpoints_ptr + (3 * size // 4 - 1)),
-                           tl.load(midpoints_ptr + (size // 4 - 1)))
+        upper = normalized > tl.load(edges_ptr + (size // 2 - 1))
+        quarter = tl.where(upper, tl.load(edges_ptr + (3 * size // 4 - 1)),
+                           tl.load(edges_ptr + (size // 4 - 1)))
         code = tl.where(upper, size // 2, 0) + tl.where(normalized > quarter, size // 4, 0)
-        midpoints = tl.load(midpoints_ptr + tl.arange(0, size))
+        midpoints = tl.load(edges_ptr + tl.arange(0, size))
         for level in tl.static_range(2, BITS):
             midpoint = _lookup(midpoints, code + ((1 << (BITS - 1 - level)) - 1), size)
             code += tl.where(normalized > midpoint, 1 << (BITS - 1 - level), 0)
@@ -213,7 +255,7 @@ def _encode(values, reciprocal, factor, midpoints_ptr, BITS: tl.constexpr, CODEC
 
 
 @triton.jit
-def _store_moment(low, high, codes_ptr, scales_ptr, midpoints_ptr, rows, cols, row_mask,
+def _store_moment(low, high, codes_ptr, scales_ptr, edges_ptr, rows, cols, row_mask,
                   BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, CODEC: tl.constexpr):
     """Requantize ``ROWS`` blocks given as (low half, high half); write codes and scales."""
     low_abs = tl.where(_is_finite(low), tl.abs(low), 0.0)
@@ -227,7 +269,7 @@ def _store_moment(low, high, codes_ptr, scales_ptr, midpoints_ptr, rows, cols, r
     reciprocal = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale * factor, 1.0), 0.0)
     # Both halves in one tensor: one search (one staging of the midpoints per step) for both.
     both = tl.join(low, high)
-    code = _encode(both, reciprocal[:, None, None], factor[:, None, None], midpoints_ptr, BITS, CODEC)
+    code = _encode(both, reciprocal[:, None, None], factor[:, None, None], edges_ptr, BITS, CODEC)
     low_code, high_code = tl.split(code)
     mask = row_mask[:, None]
     if BITS == 8:
@@ -317,7 +359,7 @@ def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr):
 def _adamw_lowbit_kernel(
     param_base, grad_base, exp_avg_codes_base, exp_avg_scales_base, exp_avg_sq_codes_base,
     exp_avg_sq_scales_base, max_codes_base, max_scales_base, layout_ptr, program_param_ptr,
-    exp_avg_table_ptr, exp_avg_midpoints_ptr, exp_avg_sq_table_ptr, exp_avg_sq_midpoints_ptr,
+    exp_avg_table_ptr, exp_avg_edges_ptr, exp_avg_sq_table_ptr, exp_avg_sq_edges_ptr,
     step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, seed,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
     EXP_AVG_BITS: tl.constexpr, EXP_AVG_CODEC: tl.constexpr,
@@ -328,10 +370,10 @@ def _adamw_lowbit_kernel(
     pid = tl.program_id(0)
     param_index = tl.load(program_param_ptr + pid)
     layout_row = layout_ptr + param_index * LAYOUT_COLUMNS
-    numel = tl.load(layout_row + 8)
+    numel = tl.load(layout_row + _NUMEL)
     if ALIGNED:
         numel = tl.multiple_of(numel, 16)  # the host sends only sizes that are multiples of 16
-    first_program = tl.load(layout_row + 9)
+    first_program = tl.load(layout_row + _FIRST_PROGRAM)
     # Offsets within one parameter's tensors fit in 32 bits (the host checks numel < 2**31);
     # the tensor bases from the layout stay 64-bit, as a group can exceed 2**31 elements.
     numel32 = numel.to(tl.int32)
@@ -350,12 +392,12 @@ def _adamw_lowbit_kernel(
         noise_low = (noise & 0xFFFF).to(tl.int32)
         noise_high = (noise >> 16).to(tl.int32)
 
-    param_ptr = param_base + _offset(layout_row, 0, ALIGNED)
-    grad_ptr = grad_base + _offset(layout_row, 1, ALIGNED)
-    exp_avg_codes = exp_avg_codes_base + _offset(layout_row, 2, ALIGNED)
-    exp_avg_scales = exp_avg_scales_base + _offset(layout_row, 3, ALIGNED)
-    exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, 4, ALIGNED)
-    exp_avg_sq_scales = exp_avg_sq_scales_base + _offset(layout_row, 5, ALIGNED)
+    param_ptr = param_base + _offset(layout_row, _PARAM, ALIGNED)
+    grad_ptr = grad_base + _offset(layout_row, _GRAD, ALIGNED)
+    exp_avg_codes = exp_avg_codes_base + _offset(layout_row, _EXP_AVG_CODES, ALIGNED)
+    exp_avg_scales = exp_avg_scales_base + _offset(layout_row, _EXP_AVG_SCALES, ALIGNED)
+    exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, _EXP_AVG_SQ_CODES, ALIGNED)
+    exp_avg_sq_scales = exp_avg_sq_scales_base + _offset(layout_row, _EXP_AVG_SQ_SCALES, ALIGNED)
 
     # The maps' tables, once per program, held in registers (gathers read them from shared
     # memory); the linear map needs none.
@@ -369,8 +411,8 @@ def _adamw_lowbit_kernel(
     max_low = v_low
     max_high = v_high
     if AMSGRAD:
-        max_codes = max_codes_base + _offset(layout_row, 6, ALIGNED)
-        max_scales = max_scales_base + _offset(layout_row, 7, ALIGNED)
+        max_codes = max_codes_base + _offset(layout_row, _MAX_CODES, ALIGNED)
+        max_scales = max_scales_base + _offset(layout_row, _MAX_SCALES, ALIGNED)
         max_low, max_high = _load_moment(max_codes, max_scales, exp_avg_sq_table, rows, cols, row_mask,
                                          BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
 
@@ -383,12 +425,12 @@ def _adamw_lowbit_kernel(
         m_high, v_high, max_high, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
         inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
 
-    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_midpoints_ptr, rows, cols, row_mask,
+    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_edges_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
-    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_midpoints_ptr, rows, cols,
+    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_edges_ptr, rows, cols,
                   row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
     if AMSGRAD:
-        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_midpoints_ptr, rows, cols,
+        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_edges_ptr, rows, cols,
                       row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
 
 

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The table's columns: the eight tensor lists' offsets, then numel and the first program.
+(PARAM, GRAD, EXP_AVG_CODES, EXP_AVG_SCALES, EXP_AVG_SQ_CODES, EXP_AVG_SQ_SCALES, MAX_CODES,
+ MAX_SCALES, NUMEL, FIRST_PROGRAM) = range(10)
 LAYOUT_COLUMNS = 10
-NUMEL, FIRST_PROGRAM = 8, 9
 # Offsets that are multiples of 16 elements let the kernel promise aligned, vectorisable
 # loads; anything else (odd views) gets the unaligned kernel variant.
 ALIGNMENT_ELEMENTS = 16
