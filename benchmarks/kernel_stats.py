@@ -55,9 +55,10 @@ from lowbit_optim.kernels import adamw_lowbit
 from lowbit_optim.quant.formats import get_format
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-KINDS = {  # bits -> (exp_avg format, exp_avg_sq format, default block size)
-    8: ("dynamic8-signed", "dynamic8-unsigned-nonzero", 256),
-    4: ("dynamic4-signed", "linear4-nonzero", 128),
+KINDS = {  # state kind -> (exp_avg format, exp_avg_sq format, default block size)
+    "8bit": ("dynamic8-signed", "dynamic8-unsigned-nonzero", 256),
+    "4bit": ("dynamic4-signed", "linear4-nonzero", 128),
+    "fp8": ("float8-e4m3", "float8-e4m3-nonzero", 256),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Two parameters per group: a tile-multiple one and one that ends in a partly masked tile.
@@ -99,9 +100,9 @@ def _moment(fmt, numel, block_size, aligned):
     return codes[pad:].view(blocks, -1), scales[pad:]
 
 
-def variant_launches(bits, dtype, *, amsgrad, stochastic_round, aligned):
+def variant_launches(kind, dtype, *, amsgrad, stochastic_round, aligned):
     """What ``launch`` launches for a group of ``NUMELS`` parameters of this kind."""
-    exp_avg_name, exp_avg_sq_name, block_size = KINDS[bits]
+    exp_avg_name, exp_avg_sq_name, block_size = KINDS[kind]
     exp_avg_format, exp_avg_sq_format = get_format(exp_avg_name), get_format(exp_avg_sq_name)
     params, grads, moments = [], [], [[], [], []]
     for index, numel in enumerate(NUMELS):
@@ -185,10 +186,10 @@ def ptxas_version() -> str:
     return found.group(2) if found else out.strip().splitlines()[-1]
 
 
-def measure(bits, dtype_name, *, amsgrad, stochastic_round, aligned, archs) -> list[dict]:
-    launches = variant_launches(bits, DTYPES[dtype_name], amsgrad=amsgrad, stochastic_round=stochastic_round,
+def measure(kind, dtype_name, *, amsgrad, stochastic_round, aligned, archs) -> list[dict]:
+    launches = variant_launches(kind, DTYPES[dtype_name], amsgrad=amsgrad, stochastic_round=stochastic_round,
                                 aligned=aligned)
-    name = f"{bits}bit-{dtype_name}" + ("-sr" if stochastic_round else "") + ("-amsgrad" if amsgrad else "")
+    name = f"{kind}-{dtype_name}" + ("-sr" if stochastic_round else "") + ("-amsgrad" if amsgrad else "")
     name += "" if aligned else "-unaligned"
     default = aligned and not amsgrad and not stochastic_round
     rows = []
@@ -210,7 +211,7 @@ def measure(bits, dtype_name, *, amsgrad, stochastic_round, aligned, archs) -> l
             loads, stores = _memory_ops(opcodes, "LDG"), _memory_ops(opcodes, "STG")
             rows.append({
                 "variant": name,
-                "default": default, "arch": f"sm_{arch}", "bits": bits, "param_dtype": dtype_name,
+                "default": default, "arch": f"sm_{arch}", "kind": kind, "param_dtype": dtype_name,
                 "amsgrad": amsgrad, "stochastic_round": stochastic_round, "aligned": aligned,
                 "kernel": kernel.__name__, "block_size": bound["BLOCK_SIZE"],
                 "elements_per_program": elements,
@@ -241,20 +242,20 @@ COLUMNS = [
 ]
 
 
-def variants(defaults_only: bool, bits_list):
-    for bits, dtype_name, amsgrad, stochastic_round, aligned in itertools.product(
-            bits_list, DTYPES, (False, True), (False, True), (True, False)):
+def variants(defaults_only: bool, kinds):
+    for kind, dtype_name, amsgrad, stochastic_round, aligned in itertools.product(
+            kinds, DTYPES, (False, True), (False, True), (True, False)):
         if stochastic_round and dtype_name != "bf16":
             continue  # stochastic rounding applies to bfloat16 parameters only
         if defaults_only and (amsgrad or stochastic_round or not aligned):
             continue
-        yield bits, dtype_name, dict(amsgrad=amsgrad, stochastic_round=stochastic_round, aligned=aligned)
+        yield kind, dtype_name, dict(amsgrad=amsgrad, stochastic_round=stochastic_round, aligned=aligned)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities")
-    parser.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=[4, 8])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--defaults", action="store_true", help="only the variants of default arguments")
     parser.add_argument("--json", type=pathlib.Path, help="write the rows here as a JSON list")
     args = parser.parse_args(argv)
@@ -262,8 +263,8 @@ def main(argv=None) -> None:
     env = harness.environment()
     toolchain = {"triton": triton.__version__, "ptxas": ptxas_version()}
     rows = []
-    for bits, dtype_name, flags in variants(args.defaults, args.bits):
-        for row in measure(bits, dtype_name, archs=args.arch, **flags):
+    for kind, dtype_name, flags in variants(args.defaults, args.kinds):
+        for row in measure(kind, dtype_name, archs=args.arch, **flags):
             rows.append({**row, **toolchain, "machine": harness.machine_line(env), "torch": env["torch"]})
             print(f"{row['variant']:>32} {row['arch']}: "
                   f"{row['sass_instructions_per_element']:6.1f} SASS/elem, "
