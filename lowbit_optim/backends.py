@@ -20,7 +20,12 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from lowbit_optim.functional import float_state_adamw_step, quantized_adamw_step
+from lowbit_optim.functional import (
+    StepScalars,
+    StoredMoment,
+    float_state_adamw_step,
+    quantized_adamw_step,
+)
 from lowbit_optim.state import QuantizedState
 
 BACKENDS = ("compile", "eager", "triton")
@@ -110,7 +115,7 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
         else:
             run_quantized_step(
                 "compile" if backend == "triton" else backend, entry,
-                (lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
+                StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
                 maximize=maximize, stochastic_round=stochastic_round,
                 decoupled_weight_decay=decoupled_weight_decay,
             )
@@ -177,11 +182,11 @@ class TailScratch:
         return self._buffers[key]
 
 
-def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: TailScratch, *,
-                       maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool = True) -> None:
+def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scratch: TailScratch,
+                       *, maximize: bool, stochastic_round: bool,
+                       decoupled_weight_decay: bool = True) -> None:
     """Update one parameter and its quantized moments in place with ``"compile"`` or
-    ``"eager"``. ``hyper``: ``(lr, beta1, beta2, eps, weight_decay, step)``, 0-d CPU tensors
-    passed positionally, as the compiled function takes them."""
+    ``"eager"``."""
     param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = entry
     if backend == "compile":
         step = compiled_step(exp_avg.format, exp_avg_sq.format)
@@ -205,11 +210,9 @@ def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: Ta
     whole_blocks, tail = divmod(numel, block_size)
     moments = [exp_avg, exp_avg_sq] + ([max_exp_avg_sq] if max_exp_avg_sq is not None else [])
 
-    def inner(rows: slice):
-        pairs = [(m.codes[rows], m.scales[rows]) for m in moments]
-        if max_exp_avg_sq is None:
-            pairs.append((None, None))
-        return [t for pair in pairs for t in pair]
+    def inner(rows: slice) -> list[StoredMoment | None]:
+        stored = [StoredMoment(m.codes[rows], m.scales[rows]) for m in moments]
+        return stored if max_exp_avg_sq is not None else stored + [None]
 
     # Whole blocks, a bounded chunk at a time (CHUNK_ELEMENTS); every chunk reuses the graph.
     chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
@@ -218,7 +221,7 @@ def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: Ta
         count = rows.stop - rows.start
         elements = slice(rows.start * block_size, rows.stop * block_size)
         _call(step, backend, flat_param[elements].view(count, block_size),
-              flat_grad[elements].view(count, block_size), inner(rows), hyper)
+              flat_grad[elements].view(count, block_size), inner(rows), scalars)
     if tail:
         start = whole_blocks * block_size
         param_block = scratch.get(flat_param, block_size, "param")
@@ -230,21 +233,20 @@ def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: Ta
         # resumed run's fresh buffers change the result (tests/test_checkpoint.py).
         param_block[0, tail:].zero_()
         grad_block[0, tail:].zero_()
-        _call(step, backend, param_block, grad_block, inner(slice(whole_blocks, None)), hyper)
+        _call(step, backend, param_block, grad_block, inner(slice(whole_blocks, None)), scalars)
         flat_param[start:].copy_(param_block[0, :tail])
     if work is not param:
         param.copy_(work)
 
 
-def _call(step, backend, param_blocks, grad_blocks, state_tensors, hyper):
+def _call(step, backend, param_blocks, grad_blocks, moments, scalars):
     if backend == "compile":
-        for tensor in (param_blocks, grad_blocks, *state_tensors):
-            if tensor is not None:
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        for tensor in (param_blocks, grad_blocks, *(t for m in moments if m is not None for t in m)):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
         # Without this, a one-block tensor (a small parameter, or a partial last block) is
         # specialised to size 1 and gets a graph of its own; size-oblivious reasoning lets the
         # single dynamic graph serve every block count, 1 included.
         with fx_config.patch(backed_size_oblivious=True):
-            step(param_blocks, grad_blocks, *state_tensors, *hyper)
+            step(param_blocks, grad_blocks, *moments, scalars)
     else:
-        step(param_blocks, grad_blocks, *state_tensors, *hyper)
+        step(param_blocks, grad_blocks, *moments, scalars)

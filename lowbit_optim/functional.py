@@ -13,9 +13,32 @@ reads them as inputs, so new values never recompile, and a CPU scalar reaches a 
 kernel as an argument, so no per-step host-to-device copy happens.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from lowbit_optim.quant.formats import QuantFormat
+
+
+class StepScalars(NamedTuple):
+    """A step's hyperparameters and step count, 0-d CPU tensors (``hyperparams.GroupScalars``
+    holds the group's; ``step`` is the parameter's own count). Graph inputs of the compiled
+    step, so new values never recompile it."""
+
+    lr: torch.Tensor
+    beta1: torch.Tensor
+    beta2: torch.Tensor
+    eps: torch.Tensor
+    weight_decay: torch.Tensor
+    step: torch.Tensor
+
+
+class StoredMoment(NamedTuple):
+    """The tensors a quantized moment is stored in (``QuantizedState.codes``/``.scales``), or
+    a view of some of its blocks: what the compiled step reads and overwrites."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -160,17 +183,17 @@ def float_state_adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
     scatter(params, new_param)
 
 
-def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
-                         exp_avg_sq_scales, max_codes, max_scales, lr, beta1, beta2, eps,
-                         weight_decay, step, *, exp_avg_format: QuantFormat,
-                         exp_avg_sq_format: QuantFormat, maximize: bool,
-                         stochastic_round: bool, decoupled_weight_decay: bool = True):
+def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredMoment,
+                         max_exp_avg_sq: StoredMoment | None, scalars: StepScalars, *,
+                         exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat,
+                         maximize: bool, stochastic_round: bool,
+                         decoupled_weight_decay: bool = True):
     """``single_param_adam`` on blocks: dequantize -> ``adamw_update`` -> requantize, in place.
 
-    ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; codes and scales are the
-    inner tensors of the moments' ``QuantizedState``; ``max_codes``/``max_scales`` are
-    ``None`` unless amsgrad is on. Only tensors are taken, so ``torch.compile`` traces it
-    once per state kind and parameter dtype, whatever the parameter's shape.
+    ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; the moments are the stored
+    tensors of their ``QuantizedState`` (the same rows), ``max_exp_avg_sq`` ``None`` unless
+    amsgrad is on. Only tensors are taken, so ``torch.compile`` traces it once per state kind
+    and parameter dtype, whatever the parameter's shape.
     """
     # Each ``split`` slice of the blocks (the low and high halves for 4-bit, whose codes share
     # bytes; the whole block for 8-bit) is decoded, updated and encoded on its own and only
@@ -178,11 +201,13 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
     # that writes it instead of materialising unpacked codes and whole-block float buffers.
     # float64 parameters are updated in float64 (their moments are quantized all the same).
     dtype = compute_dtype(param)
-    exp_avg = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
-    exp_avg_sq = exp_avg_sq_format.decode_parts(exp_avg_sq_codes, exp_avg_sq_scales)
+    lr, beta1, beta2, eps, weight_decay, step = scalars
+    stored = [exp_avg, exp_avg_sq, max_exp_avg_sq]
+    exp_avg = exp_avg_format.decode_parts(*stored[0])
+    exp_avg_sq = exp_avg_sq_format.decode_parts(*stored[1])
     max_exp_avg_sq = [None] * len(exp_avg)
-    if max_codes is not None:
-        max_exp_avg_sq = exp_avg_sq_format.decode_parts(max_codes, max_scales)
+    if stored[2] is not None:
+        max_exp_avg_sq = exp_avg_sq_format.decode_parts(*stored[2])
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
 
@@ -198,7 +223,7 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
             param_part.to(dtype), grad_parts[index].to(dtype), exp_avg[index].to(dtype),
             exp_avg_sq[index].to(dtype),
-            None if max_codes is None else max_exp_avg_sq[index].to(dtype),
+            None if stored[2] is None else max_exp_avg_sq[index].to(dtype),
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
             maximize=maximize, corrections=corrections, decoupled_weight_decay=decoupled_weight_decay,
         )
@@ -207,16 +232,13 @@ def quantized_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_
         new_exp_avg_sqs.append(new_exp_avg_sq)
         new_maxes.append(new_max)
 
-    codes, scales = exp_avg_format.encode_parts(new_exp_avgs)
-    exp_avg_codes.copy_(codes)
-    exp_avg_scales.copy_(scales)
-    codes, scales = exp_avg_sq_format.encode_parts(new_exp_avg_sqs)
-    exp_avg_sq_codes.copy_(codes)
-    exp_avg_sq_scales.copy_(scales)
-    if max_codes is not None:
-        codes, scales = exp_avg_sq_format.encode_parts(new_maxes)
-        max_codes.copy_(codes)
-        max_scales.copy_(scales)
+    updates = [(exp_avg_format, new_exp_avgs), (exp_avg_sq_format, new_exp_avg_sqs),
+               (exp_avg_sq_format, new_maxes)]
+    for target, (fmt, values) in zip(stored, updates):
+        if target is not None:
+            codes, scales = fmt.encode_parts(values)
+            target.codes.copy_(codes)
+            target.scales.copy_(scales)
     # Written slice by slice: a torch.cat here made Inductor materialise its inputs.
     for param_part, new_param in zip(param_parts, new_params):
         write_param(param_part, new_param, stochastic_round=stochastic_round)

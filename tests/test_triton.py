@@ -26,7 +26,7 @@ import torch
 from conftest import HAS_CUDA, assert_close_verbose
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, backends, distributed
-from lowbit_optim.functional import quantized_adamw_step
+from lowbit_optim.functional import StepScalars, StoredMoment, quantized_adamw_step
 from lowbit_optim.quant.formats import get_format
 from lowbit_optim.state import QuantizedState
 
@@ -107,10 +107,10 @@ def reference_step(param, grad, states, hyper, *, maximize=False):
     padding = num_blocks * block_size - param.numel()
     param_blocks = torch.nn.functional.pad(param.view(-1), (0, padding)).view(num_blocks, block_size)
     grad_blocks = torch.nn.functional.pad(grad.view(-1), (0, padding)).view(num_blocks, block_size)
-    max_pair = (states[2].codes, states[2].scales) if len(states) == 3 else (None, None)
+    stored = [StoredMoment(state.codes, state.scales) for state in states]
     quantized_adamw_step(
-        param_blocks, grad_blocks, exp_avg.codes, exp_avg.scales, exp_avg_sq.codes, exp_avg_sq.scales,
-        *max_pair, *hyper, exp_avg_format=exp_avg.format, exp_avg_sq_format=exp_avg_sq.format,
+        param_blocks, grad_blocks, stored[0], stored[1], stored[2] if len(stored) == 3 else None,
+        StepScalars(*hyper), exp_avg_format=exp_avg.format, exp_avg_sq_format=exp_avg_sq.format,
         maximize=maximize, stochastic_round=False,
     )
     param.copy_(param_blocks.view(-1)[: param.numel()].view(param.shape))
