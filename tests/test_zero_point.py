@@ -111,24 +111,27 @@ def test_no_update_exceeds_adams_bound(cls, sequence):
         assert moved <= bound, (step, moved, bound)
 
 
-def test_checkpoint_saved_before_the_zero_free_map_loads_and_keeps_its_codes():
-    """An AdamW8bit checkpoint from before issue 16 names its second moments
-    ``dynamic8-unsigned``. It loads as it is: codes and scales unchanged, the format relabelled
-    (only code 0 now reads as half the smallest value instead of 0), and training goes on."""
+@pytest.mark.parametrize("cls, plain_format", [(AdamW8bit, "dynamic8-unsigned"), (AdamWFp8, "float8-e4m3")],
+                         ids=lambda value: getattr(value, "__name__", value))
+def test_checkpoint_saved_before_the_zero_free_map_loads_and_keeps_its_codes(cls, plain_format):
+    """A checkpoint whose second moments are in the plain format of the zero-free one (an
+    AdamW8bit checkpoint from before issue 16: ``dynamic8-unsigned``; a float8 state in the plain
+    ``float8-e4m3`` format) loads as it is: codes and scales unchanged, the format relabelled (only code 0
+    now reads as half the smallest value instead of 0), and training goes on."""
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(64, 80))
-    optimizer = AdamW8bit([param])
+    optimizer = cls([param])
     for _ in range(2):
         param.grad = torch.randn_like(param)
         optimizer.step()
     saved = optimizer.state_dict()
     new = saved["state"][0]["exp_avg_sq"]
     saved["state"][0]["exp_avg_sq"] = QuantizedState(new.codes.clone(), new.scales.clone(),
-                                                     "dynamic8-unsigned", new.shape, new.dtype)
-    resumed = AdamW8bit([param])
+                                                     plain_format, new.shape, new.dtype)
+    resumed = cls([param])
     resumed.load_state_dict(saved)
     state = resumed.state[param]["exp_avg_sq"]
-    assert state.format_name == "dynamic8-unsigned-nonzero"
+    assert state.format_name == cls.exp_avg_sq_format.name == f"{plain_format}-nonzero"
     assert torch.equal(state.codes, saved["state"][0]["exp_avg_sq"].codes)
     assert torch.equal(state.scales, saved["state"][0]["exp_avg_sq"].scales)
     param.grad = torch.randn_like(param)
