@@ -1,6 +1,7 @@
 """Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
 
-from lowbit_optim.adamw import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit
+from lowbit_optim.adamw import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit, AdamWFactored4bit
+from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.memory import state_bytes
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
@@ -14,7 +15,9 @@ __all__ = [
     "Adam8bit",
     "AdamW4bit",
     "AdamW8bit",
+    "AdamWFactored4bit",
     "CPUOffloadOptimizer",
+    "FactoredState",
     "FORMATS",
     "LowBitAdamW",
     "QuantFormat",

@@ -20,6 +20,8 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
+from lowbit_optim.factored import run_factored_step
+from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.functional import float_state_adamw_step, quantized_adamw_step
 from lowbit_optim.state import QuantizedState
 
@@ -105,6 +107,14 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
             else:
                 key = id(entry.param)
             float_state.setdefault(key, []).append(entry)
+        elif isinstance(entry.exp_avg_sq, FactoredState):
+            # The Triton kernel has no factored variant: these go through the compiled step.
+            run_factored_step(
+                "eager" if backend == "eager" else "compile", entry,
+                (lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
+                maximize=maximize, stochastic_round=stochastic_round,
+                decoupled_weight_decay=decoupled_weight_decay,
+            )
         elif backend == "triton" and entry.param.dtype != torch.float64:
             grouped.append(entry)
         else:
