@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ OPTIMIZERS = {
                       lambda params, **hyper: torch.optim.AdamW(params, foreach=True, **hyper)),
         OptimizerSpec("lowbit_8bit", "lowbit_optim AdamW8bit", None, AdamW8bit),
         OptimizerSpec("lowbit_4bit", "lowbit_optim AdamW4bit", None, AdamW4bit),
+        OptimizerSpec("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit", None, AdamWFactored4bit),
         OptimizerSpec("torchao_8bit", "torchao AdamW8bit", "torchao", _torchao("AdamW8bit")),
         OptimizerSpec("torchao_4bit", "torchao AdamW4bit", "torchao", _torchao("AdamW4bit")),
         OptimizerSpec("bnb_8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb_8bit),
