@@ -186,6 +186,13 @@ class TailScratch:
             self._buffers[key] = torch.zeros(1, block_size, dtype=like.dtype, device=like.device)
         return self._buffers[key]
 
+    def index_scalar(self, role: str) -> torch.Tensor:
+        """A 0-d int64 CPU tensor for an index the compiled step reads (``factored``)."""
+        key = ("index", role)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros((), dtype=torch.int64)
+        return self._buffers[key]
+
 
 def run_quantized_step(backend: str, entry: ParamStep, hyper: tuple, scratch: TailScratch, *,
                        maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool = True) -> None:

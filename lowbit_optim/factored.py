@@ -51,7 +51,8 @@ def adam_ratio_bound(beta1, beta2, step):
     gamma = beta1**2 / beta2
     geometric = torch.where(gamma == 1, step.to(gamma.dtype), (1 - gamma**step) / (1 - gamma))
     bound = (1 - beta1) * (geometric / (1 - beta2)).sqrt() * (1 - beta2**step).sqrt()
-    return torch.where(beta2 > 0, bound, torch.inf)
+    # masked_fill, not where with a Python number: no tensor is made from the number.
+    return bound.masked_fill(beta2 <= 0, torch.inf)
 
 
 def second_moment_sums(param_rows, grad_rows, beta2, weight_decay, *, maximize: bool,
@@ -183,7 +184,10 @@ def run_factored_step(backend: str, entry, hyper: tuple, scratch, *, maximize: b
     scalars = (lr, beta1, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
                adam_ratio_bound(beta1, beta2, step))
     col_normalized = normalized_columns(factored.col)
-    columns_tensor = torch.tensor(columns, dtype=torch.int64)
+    # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
+    # no tensor is made per step, and no size becomes a guarded constant.
+    columns_scalar = scratch.index_scalar("columns").fill_(columns)
+    first_element_scalar = scratch.index_scalar("first_element")
     flat_param, flat_grad = work.view(-1), grad_matrix.view(-1)
     block_size = exp_avg.block_size
     whole_blocks, tail = divmod(flat_param.numel(), block_size)
@@ -193,7 +197,7 @@ def run_factored_step(backend: str, entry, hyper: tuple, scratch, *, maximize: b
     def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
         _call(update_step, compiled, dynamic, param_blocks, grad_blocks, exp_avg.codes[block_rows],
               exp_avg.scales[block_rows], factored.row, col_normalized,
-              torch.tensor(first_element, dtype=torch.int64), columns_tensor, *scalars, **options)
+              first_element_scalar.fill_(first_element), columns_scalar, *scalars, **options)
 
     chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
     for first in range(0, whole_blocks, chunk_blocks):

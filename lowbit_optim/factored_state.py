@@ -38,9 +38,9 @@ def reconstruct(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
 
 
 def normalized_columns(col: torch.Tensor) -> torch.Tensor:
-    """``col / mean(col)``, or zeros when ``col`` is all zero (no gradient seen yet)."""
-    mean = col.mean()
-    return torch.where(mean > 0, col / torch.where(mean > 0, mean, 1.0), 0.0)
+    """``col / mean(col)``, or zeros when ``col`` is all zero (no gradient seen yet: the
+    clamp turns 0 / 0 into 0 / tiny)."""
+    return col / col.mean().clamp_min(torch.finfo(torch.float32).tiny)
 
 
 class FactoredState(torch.Tensor):
