@@ -1,6 +1,7 @@
 """``LowBitAdamW``: the drop-in ``torch.optim.AdamW`` whose moments are stored in low bits.
 
-The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats; all
+The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats
+(``AdamWFactored4bit`` also says which second moments are factored, ``is_factored``); all
 behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
 moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
 float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
