@@ -33,7 +33,7 @@ from lowbit_optim import state_bytes  # noqa: E402
 from lowbit_optim.bench import harness  # noqa: E402
 
 DEFAULT_OPTIMIZERS = ("torch_adamw", "torch_adamw_foreach", "lowbit_8bit", "lowbit_4bit", "lowbit_fp8",
-                      *harness.PEERS)
+                      "lowbit_4bit_factored", *harness.PEERS)
 LAYERS, WIDTH = 10, 1024
 
 

@@ -1,6 +1,15 @@
 """Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
 
-from lowbit_optim.adamw import Adam4bit, Adam8bit, AdamFp8, AdamW4bit, AdamW8bit, AdamWFp8
+from lowbit_optim.adamw import (
+    Adam4bit,
+    Adam8bit,
+    AdamFp8,
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFactored4bit,
+    AdamWFp8,
+)
+from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.memory import state_bytes
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
@@ -16,7 +25,9 @@ __all__ = [
     "AdamW4bit",
     "AdamW8bit",
     "AdamWFp8",
+    "AdamWFactored4bit",
     "CPUOffloadOptimizer",
+    "FactoredState",
     "FORMATS",
     "LowBitAdamW",
     "QuantFormat",

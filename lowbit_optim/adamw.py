@@ -1,6 +1,9 @@
 """The public optimizers: each names the formats of its two moments (and, for the Adam
-classes, that weight decay is L2), nothing more."""
+classes, that weight decay is L2; for the factored one, which second moments are factored),
+nothing more."""
 
+from lowbit_optim.distributed import is_dtensor
+from lowbit_optim.factored_state import factor_shape
 from lowbit_optim.optimizer import LowBitAdamW
 from lowbit_optim.quant.formats import (
     DYNAMIC_4BIT_SIGNED,
@@ -43,6 +46,44 @@ class AdamWFp8(LowBitAdamW):
 
     exp_avg_format = FLOAT8
     exp_avg_sq_format = FLOAT8_NONZERO
+class AdamWFactored4bit(LowBitAdamW):
+    """AdamW with a 4-bit first moment and, for parameters with at least two dimensions, a
+    factored second moment (lpmm's "4-bit Factor"): per-row and per-column float32
+    statistics of the ``(rows, last dim)`` view, as Adafactor keeps (``FactoredState``,
+    ``lowbit_optim.factored``), about half a byte per parameter. One-dimensional parameters,
+    and those whose factors would cost more than half a byte per element, keep
+    ``AdamW4bit``'s 4-bit second moment. Same arguments as ``AdamW4bit``; ``amsgrad`` is not
+    supported (the maximum of a factored moment is not the factored maximum), nor are FSDP2
+    (DTensor) parameters. See docs/usage.md for when not to use it.
+    """
+
+    exp_avg_format = AdamW4bit.exp_avg_format
+    exp_avg_sq_format = AdamW4bit.exp_avg_sq_format
+
+    def is_factored(self, param, group, key):
+        if key != "exp_avg_sq" or param.dim() < 2 or not self.is_quantized(param, group):
+            return False
+        rows, columns = factor_shape(param.shape)
+        # The factors cost 4 * (rows + columns) bytes; worth it only below the 4-bit map's
+        # half byte per element (a conv weight's last dim of 3 would cost 1.3 bytes/element).
+        return 8 * (rows + columns) <= param.numel()
+
+    def _check_group(self, group):
+        super()._check_group(group)
+        if group["amsgrad"]:
+            raise ValueError(
+                f"Invalid amsgrad: True ({type(self).__name__} does not support amsgrad: the "
+                "maximum of a factored second moment is not itself factored)"
+            )
+
+    def _check_param(self, param):
+        super()._check_param(param)
+        if is_dtensor(param):
+            raise ValueError(
+                f"{type(self).__name__} does not support FSDP2 (DTensor) parameters yet (got one "
+                f"of shape {tuple(param.shape)}): its row and column statistics would need a "
+                "reduction across ranks; use AdamW4bit (docs/distributed.md)"
+            )
 
 
 class _L2WeightDecay:

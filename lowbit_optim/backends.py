@@ -20,6 +20,8 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
+from lowbit_optim.factored import run_factored_step
+from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.functional import (
     StepScalars,
     StoredMoment,
@@ -110,6 +112,14 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
             else:
                 key = id(entry.param)
             float_state.setdefault(key, []).append(entry)
+        elif isinstance(entry.exp_avg_sq, FactoredState):
+            # The Triton kernel has no factored variant: these go through the compiled step.
+            run_factored_step(
+                "eager" if backend == "eager" else "compile", entry,
+                StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
+                maximize=maximize, stochastic_round=stochastic_round,
+                decoupled_weight_decay=decoupled_weight_decay,
+            )
         elif backend == "triton" and entry.param.dtype != torch.float64:
             grouped.append(entry)
         else:
@@ -179,6 +189,13 @@ class TailScratch:
         key = (like.device, like.dtype, block_size, role)
         if key not in self._buffers:
             self._buffers[key] = torch.zeros(1, block_size, dtype=like.dtype, device=like.device)
+        return self._buffers[key]
+
+    def index_scalar(self, role: str) -> torch.Tensor:
+        """A 0-d int64 CPU tensor for an index the compiled step reads (``factored``)."""
+        key = ("index", role)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros((), dtype=torch.int64)
         return self._buffers[key]
 
 

@@ -22,11 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from lowbit_optim.distributed import is_dtensor, local, wrap_like
+from lowbit_optim.factored_state import FactoredState, factor_shape
 from lowbit_optim.functional import compute_dtype
 from lowbit_optim.state import MOMENT_KEYS, QuantizedState
 
 # Group options only this package has; a state dict without them was saved by another optimizer.
 LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round")
+# The moment kinds that are not plain tensors: blockwise codes, and factored statistics.
+STORED_MOMENTS = (QuantizedState, FactoredState)
 # torch.optim.AdamW's implementation choices, with the values our exported state dicts give
 # them. (``decoupled_weight_decay``, what makes Adam AdamW, is a group option of ours too.)
 TORCH_ADAMW_GROUP_OPTIONS = {
@@ -92,8 +95,9 @@ def validate_state_dict(optimizer, state_dict, slots: dict | None = None) -> Non
     ``step`` a finite count; the moments present (``max_exp_avg_sq`` exactly when amsgrad is
     on), shaped like the parameter, quantized exactly when the parameter has at least
     ``min_quant_size`` elements, in this optimizer's formats and the group's block size,
-    with codes and scales of the right dtype and shape and finite, non-negative scales.
-    Nothing is modified. ``slots``: ``_slots(optimizer, state_dict)`` if already built.
+    with codes and scales of the right dtype and shape and finite, non-negative scales (a
+    factored moment: float32 row and column statistics of the right lengths, finite and
+    non-negative). Nothing is modified. ``slots``: ``_slots(optimizer, state_dict)`` if already built.
     """
     slots = slots or _slots(optimizer, state_dict)
     for index, saved in enumerate(state_dict["param_groups"]):
@@ -135,6 +139,14 @@ def _check_moment(optimizer, slot: _Slot, group: dict, key: str, value) -> None:
     if tuple(value.shape) != tuple(slot.param.shape):
         raise ValueError(f"{where} has shape {tuple(value.shape)}, not the parameter's")
     shard = local(value)
+    if optimizer.is_factored(slot.param, group, key):
+        _check_factored(where, slot, shard)
+        return
+    if isinstance(shard, FactoredState):
+        raise ValueError(
+            f"{where} is a FactoredState; {type(optimizer).__name__} does not factor it (convert "
+            "through lowbit_optim.checkpoint.to_torch_adamw to switch optimizers)"
+        )
     if not optimizer.is_quantized(slot.param, group):
         if isinstance(shard, QuantizedState) or not shard.is_floating_point():
             got = "a QuantizedState" if isinstance(shard, QuantizedState) else f"a {shard.dtype} tensor"
@@ -171,6 +183,27 @@ def _check_moment(optimizer, slot: _Slot, group: dict, key: str, value) -> None:
         raise ValueError(f"{where}: codes on {codes.device} but scales on {scales.device}")
     if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
         raise ValueError(f"{where}: scales must be finite and >= 0")
+
+
+def _check_factored(where: str, slot: _Slot, state) -> None:
+    if not isinstance(state, FactoredState):
+        got = f"a QuantizedState ({state.format_name})" if isinstance(state, QuantizedState) else (
+            f"a plain {state.dtype} tensor")
+        raise ValueError(
+            f"{where} must be a FactoredState (row and column statistics), got {got} (convert "
+            "through lowbit_optim.checkpoint.to_torch_adamw to switch optimizers)"
+        )
+    rows, columns = factor_shape(slot.param.shape)
+    for name, vector, length in (("row", state.row, rows), ("col", state.col, columns)):
+        if vector.dtype != torch.float32 or tuple(vector.shape) != (length,):
+            raise ValueError(
+                f"{where}: {name} is {vector.dtype} {tuple(vector.shape)}, expected torch.float32 "
+                f"({length},)"
+            )
+        if not bool((torch.isfinite(vector) & (vector >= 0)).all()):
+            raise ValueError(f"{where}: {name} must be finite and >= 0")
+    if state.row.device != state.col.device:
+        raise ValueError(f"{where}: row on {state.row.device} but col on {state.col.device}")
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -219,7 +252,7 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
 
 
 def _is_plain_moment(key, value) -> bool:
-    return key in MOMENT_KEYS and not isinstance(local(value), QuantizedState)
+    return key in MOMENT_KEYS and not isinstance(local(value), STORED_MOMENTS)
 
 
 # --- conversion -----------------------------------------------------------------------------
@@ -234,7 +267,9 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
     ``state_dict``; ``block_size``, ``min_quant_size`` and ``bf16_stochastic_round`` from the
     optimizer's current groups. Moments of parameters with at least ``min_quant_size``
-    elements are quantized in the optimizer's formats; the others stay float32.
+    elements are quantized in the optimizer's formats (a factored second moment,
+    ``AdamWFactored4bit``, is factored from the full one: its row and column means); the
+    others stay float32.
     ``optimizer.load_state_dict`` calls this itself when given a torch state dict.
     """
     slots = slots or _slots(optimizer, state_dict)
@@ -271,6 +306,10 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
                 raise ValueError(
                     f"{slot.label}: {key} has shape {tuple(value.shape)}, not the parameter's"
                 )
+            if optimizer.is_factored(slot.param, group, key):
+                converted[key] = FactoredState.from_float(value.reshape(slot.param.shape),
+                                                          dtype=slot.param.dtype)
+                continue
             converted[key] = QuantizedState.zeros(
                 value.shape, optimizer.moment_format(key), group["block_size"],
                 device=value.device, dtype=slot.param.dtype,
@@ -289,7 +328,7 @@ def foreign_float_values(value: torch.Tensor) -> torch.Tensor:
     read once here and quantized again in our format: one rounding, like any format change.
     """
     own_dequantize = getattr(type(value), "dequantize", torch.Tensor.dequantize)
-    if isinstance(value, QuantizedState) or own_dequantize is torch.Tensor.dequantize:
+    if isinstance(value, STORED_MOMENTS) or own_dequantize is torch.Tensor.dequantize:
         return value
     return value.dequantize().float()
 
@@ -297,7 +336,8 @@ def foreign_float_values(value: torch.Tensor) -> torch.Tensor:
 def to_torch_adamw(state_dict) -> dict:
     """A ``LowBitAdamW`` state dict as a plain ``torch.optim.AdamW`` one.
 
-    Quantized moments are dequantized to float32 tensors of the parameter's shape, float32
+    Quantized moments are dequantized to float32 tensors of the parameter's shape (a factored
+    second moment becomes the outer product it stands for, ``FactoredState.dequantize``), float32
     moments and ``step`` are copied, LRs become Python floats, and the groups get
     ``torch.optim.AdamW``'s options in place of ours. The result loads into
     ``torch.optim.AdamW`` (which casts moments to the parameter dtype) or, to switch formats,
@@ -318,7 +358,7 @@ def to_torch_adamw(state_dict) -> dict:
     for saved_id, entry in state_dict["state"].items():
         converted = {}
         for key, value in entry.items():
-            if isinstance(value, QuantizedState):
+            if isinstance(value, STORED_MOMENTS):
                 value = value.dequantize(torch.float32)
             elif isinstance(value, torch.Tensor):
                 value = value.detach().to(torch.float32, copy=True)

@@ -74,6 +74,48 @@ def _(beta1, beta2, step):
     return beta1.new_empty(shape, dtype=dtype), beta2.new_empty(shape, dtype=dtype)
 
 
+def effective_gradient(param, grad, *, weight_decay, maximize: bool, decoupled_weight_decay: bool):
+    """``(finite, gradient)``: which elements have a finite gradient, and the gradient the
+    moments see (negated to maximize, non-finite elements 0, plus ``weight_decay * param``
+    for ``torch.optim.Adam``'s L2 decay)."""
+    grad = -grad if maximize else grad
+    finite = torch.isfinite(grad)
+    # Not nan_to_num: Inductor's CPU code tests NaN element by element in a scalar loop for
+    # it; the same zeros come from the finite mask (masked_fill, unlike where with a Python
+    # number, makes no tensor from the number in eager mode: tests/test_schedules.py).
+    safe_grad = grad.masked_fill(~finite, 0.0)
+    if not decoupled_weight_decay:
+        safe_grad = safe_grad + weight_decay * param  # torch.optim.Adam: grad.add(param, alpha=wd)
+    return finite, safe_grad
+
+
+def first_moment_update(exp_avg, safe_grad, beta1):
+    # torch.optim.AdamW's lerp, so that float32 state tracks it to within rounding.
+    return exp_avg + (1 - beta1) * (safe_grad - exp_avg)
+
+
+def squared_gradient_term(safe_grad, beta2):
+    # ((1 - beta2) * grad) * grad, the order of torch's addcmul: grad * grad first would
+    # overflow float32 from |grad| > 1.8e19 instead of ~5.8e20 (tests/test_robustness.py).
+    return (1 - beta2) * safe_grad * safe_grad
+
+
+def parameter_update(param, exp_avg, second_moment, *, lr, eps, weight_decay, corrections,
+                     decoupled_weight_decay: bool, max_ratio=None):
+    """The new parameter from the updated moments: torch.optim.AdamW's addcdiv.
+
+    ``max_ratio``, if given, clamps ``exp_avg / denom`` elementwise to ``[-max_ratio,
+    max_ratio]`` (``AdamWFactored4bit``: ``adam_ratio_bound``, see docs/design.md)."""
+    bias_correction1, bias_correction2_sqrt = corrections
+    step_size = lr / bias_correction1
+    denom = second_moment.sqrt() / bias_correction2_sqrt + eps
+    decayed = param * (1 - lr * weight_decay) if decoupled_weight_decay else param
+    ratio = exp_avg / denom
+    if max_ratio is not None:
+        ratio = ratio.clamp(-max_ratio, max_ratio)
+    return decayed - step_size * ratio
+
+
 def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
                  weight_decay, step, maximize: bool, corrections=None,
                  decoupled_weight_decay: bool = True):
@@ -87,21 +129,11 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     decay is added to the gradient (L2) rather than applied to the parameter. Pure: inputs
     are not modified.
     """
-    grad = -grad if maximize else grad
-    finite = torch.isfinite(grad)
-    # Not nan_to_num: Inductor's CPU code tests NaN element by element in a scalar loop for
-    # it; the same zeros come from the finite mask (masked_fill, unlike where with a Python
-    # number, makes no tensor from the number in eager mode: tests/test_schedules.py).
-    safe_grad = grad.masked_fill(~finite, 0.0)
-    if not decoupled_weight_decay:
-        safe_grad = safe_grad + weight_decay * param  # torch.optim.Adam: grad.add(param, alpha=wd)
-
-    # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv),
-    # so that float32 state tracks it to within rounding.
-    new_exp_avg = exp_avg + (1 - beta1) * (safe_grad - exp_avg)
-    # ((1 - beta2) * grad) * grad, the order of torch's addcmul: grad * grad first would
-    # overflow float32 from |grad| > 1.8e19 instead of ~5.8e20 (tests/test_robustness.py).
-    new_exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * safe_grad * safe_grad
+    finite, safe_grad = effective_gradient(param, grad, weight_decay=weight_decay, maximize=maximize,
+                                           decoupled_weight_decay=decoupled_weight_decay)
+    # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv).
+    new_exp_avg = first_moment_update(exp_avg, safe_grad, beta1)
+    new_exp_avg_sq = exp_avg_sq * beta2 + squared_gradient_term(safe_grad, beta2)
     second_moment = new_exp_avg_sq
     new_max = None
     if max_exp_avg_sq is not None:
@@ -110,11 +142,9 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
 
     if corrections is None:
         corrections = bias_corrections(beta1, beta2, step)
-    bias_correction1, bias_correction2_sqrt = corrections
-    step_size = lr / bias_correction1
-    denom = second_moment.sqrt() / bias_correction2_sqrt + eps
-    decayed = param * (1 - lr * weight_decay) if decoupled_weight_decay else param
-    new_param = decayed - step_size * (new_exp_avg / denom)
+    new_param = parameter_update(param, new_exp_avg, second_moment, lr=lr, eps=eps,
+                                 weight_decay=weight_decay, corrections=corrections,
+                                 decoupled_weight_decay=decoupled_weight_decay)
 
     new_param = torch.where(finite, new_param, param)
     new_exp_avg = torch.where(finite, new_exp_avg, exp_avg)

@@ -3,12 +3,14 @@
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.state import QuantizedState
 
 
 def tensor_state_bytes(value) -> int:
-    """Bytes a state value holds: a quantized state's codes and scales, a tensor's data."""
-    if isinstance(value, QuantizedState):
+    """Bytes a state value holds: a quantized state's codes and scales, a factored one's
+    row and column statistics, a tensor's data."""
+    if isinstance(value, (QuantizedState, FactoredState)):
         return value.state_nbytes()
     local = getattr(value, "_local_tensor", None)  # DTensor: this rank's shard
     if local is not None:

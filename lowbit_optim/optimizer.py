@@ -1,6 +1,7 @@
 """``LowBitAdamW``: the drop-in ``torch.optim.AdamW`` whose moments are stored in low bits.
 
-The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats; all
+The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats
+(``AdamWFactored4bit`` also says which second moments are factored, ``is_factored``); all
 behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
 moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
 float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
@@ -12,6 +13,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim import backends, checkpoint, distributed
+from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.functional import compute_dtype
 from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
 from lowbit_optim.quant.formats import QuantFormat
@@ -104,13 +106,18 @@ class LowBitAdamW(Optimizer):
         for param in params:
             # named_parameters() gives (name, parameter) pairs, which torch accepts.
             tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
-            if isinstance(tensor, torch.Tensor) and tensor.is_complex():
-                raise ValueError(
-                    f"{type(self).__name__} does not support complex parameters "
-                    f"(got one of shape {tuple(tensor.shape)}, dtype {tensor.dtype}); "
-                    "view it as real with torch.view_as_real"
-                )
+            if isinstance(tensor, torch.Tensor):
+                self._check_param(tensor)
         super().add_param_group(param_group)
+
+    def _check_param(self, param: torch.Tensor) -> None:
+        """Refuse a parameter this optimizer cannot step, before it joins a group."""
+        if param.is_complex():
+            raise ValueError(
+                f"{type(self).__name__} does not support complex parameters "
+                f"(got one of shape {tuple(param.shape)}, dtype {param.dtype}); "
+                "view it as real with torch.view_as_real"
+            )
 
     def _check_group(self, group: dict) -> None:
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -149,10 +156,17 @@ class LowBitAdamW(Optimizer):
         depends on how it is sharded (see lowbit_optim.distributed)."""
         return param.numel() > 0 and param.numel() >= group["min_quant_size"]
 
+    def is_factored(self, param: torch.Tensor, group: dict, key: str) -> bool:
+        """Whether moment ``key`` of ``param`` is a ``FactoredState`` (row and column
+        statistics, ``AdamWFactored4bit``) rather than blockwise codes or float values."""
+        return False
+
     def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in self.moment_keys(group):
-            if self.is_quantized(param, group):
+            if self.is_factored(param, group, key):
+                state[key] = FactoredState.zeros(param.shape, device=param.device, dtype=param.dtype)
+            elif self.is_quantized(param, group):
                 state[key] = distributed.zeros_state(param, self.moment_format(key), group["block_size"])
             else:
                 state[key] = torch.zeros_like(param, dtype=compute_dtype(param),

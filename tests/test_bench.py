@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, state_bytes
 from lowbit_optim.bench import harness
 from lowbit_optim.bench.__main__ import DEFAULT_OPTIMIZERS, PRESETS, main
 from lowbit_optim.bench.data import batch_offsets, get_batch, load_corpus
@@ -35,9 +35,14 @@ def expected_state_bytes(model: torch.nn.Module, optimizer_cls) -> int:
     for param in model.parameters():
         if param.numel() < 4096:
             total += 8 * param.numel()
+            continue
+        blocks = -(-param.numel() // block)
+        moment = blocks * block * bits // 8 + 4 * blocks
+        rows, columns = param.numel() // param.shape[-1], param.shape[-1]
+        if optimizer_cls is AdamWFactored4bit and param.dim() >= 2 and 8 * (rows + columns) <= param.numel():
+            total += moment + 4 * (rows + columns)  # second moment: one float32 per row and column
         else:
-            blocks = -(-param.numel() // block)
-            total += 2 * (blocks * block * bits // 8 + 4 * blocks)
+            total += 2 * moment
     return total
 
 
@@ -200,6 +205,24 @@ def test_gpu_preset_is_large_and_its_state_keeps_the_promised_saving():
     # biases and norms (0.14% of the parameters) keep fp32 state, giving 3.92x and 7.46x.
     assert fp32 / expected_state_bytes(model, AdamW8bit) > 3.9
     assert fp32 / expected_state_bytes(model, AdamW4bit) > 7.4
+    # The factored class (issue 16): 0.5 + 4/128 B for the first moment, the factors next to
+    # nothing; 0.549 B/param (14.6x less than fp32) with the fp32 biases and norms.
+    params = sum(p.numel() for p in model.parameters())
+    assert expected_state_bytes(model, AdamWFactored4bit) / params <= 0.6
+
+
+def test_factored_state_bytes_are_counted_as_the_formula_says():
+    """``state_bytes`` of a real AdamWFactored4bit on the quick model equals the formula above
+    (first moment in 4-bit blocks, one float32 per row and per column of each factored
+    weight, fp32 moments below min_quant_size), as the quick run checks the other classes."""
+    torch.manual_seed(0)
+    model = ByteGPT(PRESETS["quick"]["model"])
+    optimizer = AdamWFactored4bit(model.parameters())
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    assert state_bytes(optimizer) == expected_state_bytes(model, AdamWFactored4bit)
+    assert state_bytes(optimizer) < expected_state_bytes(model, AdamW4bit)
 
 
 def test_peak_memory_profiling_keeps_stderr_clean(capfd):

@@ -10,7 +10,7 @@ import torch
 from conftest import relative_rmse
 from torch import nn
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
 from lowbit_optim.checkpoint import from_torch_adamw, to_torch_adamw
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8]
@@ -33,7 +33,12 @@ def assert_same_state(actual: dict, expected: dict) -> None:
         assert other.keys() == entry.keys(), f"parameter {saved_id}"
         for key, value in entry.items():
             where = f"parameter {saved_id} {key}"
-            if isinstance(value, QuantizedState):
+            if isinstance(value, FactoredState):
+                assert isinstance(other[key], FactoredState), where
+                assert (other[key].shape, other[key].dtype) == (value.shape, value.dtype), where
+                assert torch.equal(other[key].row, value.row), where
+                assert torch.equal(other[key].col, value.col), where
+            elif isinstance(value, QuantizedState):
                 assert isinstance(other[key], QuantizedState), where
                 assert (other[key].format_name, other[key].shape, other[key].dtype) == (
                     value.format_name, value.shape, value.dtype), where
@@ -114,6 +119,8 @@ RESUME_CASES = [
     (AdamW4bit, torch.bfloat16, "eager", True),
     (AdamWFp8, torch.float32, "compile", False),
     (AdamWFp8, torch.bfloat16, "eager", True),
+    (AdamWFactored4bit, torch.float32, "compile", False),  # both weights factored
+    (AdamWFactored4bit, torch.bfloat16, "eager", True),
 ]
 
 
@@ -266,6 +273,56 @@ def test_export_loads_into_torch_adamw(cls):
     weight.grad, bias.grad = torch.randn_like(weight), torch.randn_like(bias)
     reference.step()
     assert torch.isfinite(weight).all()
+
+
+def test_factored_state_converts_to_and_from_torch_adamw_and_survives_a_dtype_cast():
+    """AdamWFactored4bit's second moment: exported as the outer product it stands for, factored
+    from torch's full one by its row and column means, kept float32 when loaded for bfloat16
+    parameters, and refused where the other kind is expected."""
+    weight, bias, optimizer = trained(AdamWFactored4bit)
+    state = optimizer.state[weight]["exp_avg_sq"]
+    assert isinstance(state, FactoredState)
+
+    exported = round_trip(to_torch_adamw(optimizer.state_dict()))
+    full = exported["state"][0]["exp_avg_sq"]
+    assert full.shape == weight.shape
+    assert torch.equal(full, state.row[:, None] * (state.col / state.col.mean())[None, :])
+    reference = torch.optim.AdamW([weight, bias])
+    reference.load_state_dict(exported)
+    weight.grad, bias.grad = torch.randn_like(weight), torch.randn_like(bias)
+    reference.step()  # torch steps from the reconstructed second moment
+    reference_sd = round_trip(reference.state_dict())
+    imported = AdamWFactored4bit([weight, bias], backend="eager")
+    imported.load_state_dict(reference_sd)
+    factored = imported.state[weight]["exp_avg_sq"]
+    torch_sq = reference_sd["state"][0]["exp_avg_sq"]
+    assert torch.equal(factored.row, torch_sq.mean(dim=1)) and torch.equal(factored.col, torch_sq.mean(dim=0))
+    assert torch.equal(imported.state[bias]["exp_avg_sq"], reference_sd["state"][1]["exp_avg_sq"])
+
+    saved = round_trip(optimizer.state_dict())
+    weight16, bias16 = nn.Parameter(weight.detach().bfloat16()), nn.Parameter(bias.detach().bfloat16())
+    target = AdamWFactored4bit([weight16, bias16], backend="eager")
+    target.load_state_dict(saved)
+    loaded = target.state[weight16]["exp_avg_sq"]
+    assert loaded.dtype == torch.bfloat16 and loaded.row.dtype == torch.float32
+    assert torch.equal(loaded.row, state.row) and torch.equal(loaded.col, state.col)
+    weight16.grad, bias16.grad = torch.randn_like(weight16), torch.randn_like(bias16)
+    target.step()
+    assert torch.isfinite(weight16).all()
+
+    with pytest.raises(ValueError, match=r"exp_avg_sq must be a FactoredState .*got a QuantizedState"):
+        AdamWFactored4bit([weight, bias]).load_state_dict(trained(AdamW4bit)[2].state_dict())
+    with pytest.raises(ValueError, match=r"exp_avg_sq is a FactoredState; AdamW4bit does not factor it"):
+        AdamW4bit([weight, bias]).load_state_dict(optimizer.state_dict())
+    negative = round_trip(optimizer.state_dict())
+    negative["state"][0]["exp_avg_sq"].row[0] = -1.0
+    with pytest.raises(ValueError, match=r"parameter 0 .*exp_avg_sq: row must be finite and >= 0"):
+        AdamWFactored4bit([weight, bias]).load_state_dict(negative)
+    short = round_trip(optimizer.state_dict())
+    short["state"][0]["exp_avg_sq"] = FactoredState(state.row[:-1], state.col, state.shape)
+    message = r"exp_avg_sq: row is torch.float32 \(49,\), expected torch.float32 \(50,\)"
+    with pytest.raises(ValueError, match=message):
+        AdamWFactored4bit([weight, bias]).load_state_dict(short)
 
 
 def test_switching_formats_goes_through_the_torch_state_dict():

@@ -53,7 +53,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, QuantizedState
 
 OPTIMIZERS = {"8bit": AdamW8bit, "4bit": AdamW4bit}
 OPTIONS = dict(lr=1e-2, weight_decay=1e-2, min_quant_size=200, block_size=64)
@@ -229,6 +229,13 @@ def _one_rank_worker(rank: int, port: int, out: str) -> None:
             results[f"compiled-{fmt}-{backend}-steps"] = []
             train(model, optimizer, 2, record=results[f"compiled-{fmt}-{backend}-steps"])
             results[f"compiled-{fmt}-{backend}"] = snapshot(model, optimizer)
+
+    # AdamWFactored4bit refuses FSDP2 parameters before any state exists (docs/distributed.md).
+    try:
+        AdamWFactored4bit(shard(make_model()).parameters(), **OPTIONS)
+        results["factored-fsdp-error"] = None
+    except ValueError as error:
+        results["factored-fsdp-error"] = str(error)
     torch.save(results, out / "one-rank.pt")
     dist.destroy_process_group()
 
@@ -466,3 +473,11 @@ def test_one_rank_steps_match_this_process_exactly(runs, fmt, backend):
     for part in ("params", "moments"):
         for key, value in run[part].items():
             assert torch.equal(value, expected[part][key]), key
+
+
+def test_factored_optimizer_refuses_fsdp2_parameters_with_a_reason(runs):
+    """AdamWFactored4bit's column statistics would need a reduction across the ranks that
+    shard the rows; until it has one, FSDP2 parameters are refused in the constructor."""
+    message = runs["factored-fsdp-error"]
+    assert message is not None, "AdamWFactored4bit accepted FSDP2 parameters"
+    assert "does not support FSDP2 (DTensor) parameters" in message and "AdamW4bit" in message

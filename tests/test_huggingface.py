@@ -31,7 +31,7 @@ from transformers import (  # noqa: E402
 from transformers import trainer as hf_trainer  # noqa: E402
 from transformers.training_args import OptimizerNames  # noqa: E402
 
-from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState  # noqa: E402
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, FactoredState, QuantizedState  # noqa: E402
 from lowbit_optim.integrations.transformers import OPTIMIZERS, register  # noqa: E402
 
 SEQ_LEN = 64
@@ -223,6 +223,20 @@ def test_state_is_quantized_above_min_quant_size(full_run):
             assert type(state["exp_avg"]) is torch.Tensor and state["exp_avg"].dtype == torch.float32
     # The six weight matrices (embeddings, attention, MLP) are ~97% of the parameters.
     assert quantized / sum(p.numel() for p in trainer.model.parameters()) > 0.9
+
+
+def test_trainer_with_the_factored_optim_string(tmp_path):
+    """``optim="lowbit_adamw_4bit_factored"``: AdamWFactored4bit, whose 2-D weights (GPT-2's
+    Conv1D and embeddings) get factored second moments, and training runs."""
+    args = training_args(tmp_path, optim="lowbit_adamw_4bit_factored", max_steps=4, save_steps=100)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=byte_dataset())
+    trainer.train()
+    optimizer = inner(trainer.optimizer)
+    assert type(optimizer) is AdamWFactored4bit
+    factored = [p for p in trainer.model.parameters()
+                if isinstance(optimizer.state[p]["exp_avg_sq"], FactoredState)]
+    assert factored and all(p.dim() == 2 and p.numel() >= 4096 for p in factored)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 def test_loss_goes_down(full_run):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import relative_rmse
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
 from lowbit_optim.functional import round_to_bfloat16_stochastic
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8]
@@ -42,11 +42,13 @@ def train(optimizer_factory, steps, *, weight_decay=0.1, lr=1e-2, backend_kwargs
 # which shrinks early steps), so its bound only guards against gross errors; the same
 # ``adamw_update`` is checked to float rounding by the fp32-state test below.
 STEPS, WEIGHT_DECAY = 20, 1.0
-CHANGE_ERROR_BOUND = {AdamW8bit: 0.04, AdamW4bit: 0.45, AdamWFp8: 0.05}
+# AdamWFactored4bit (measured 0.37) shares the 4-bit bound; its step is checked against a
+# float64 reference in tests/test_factored.py.
+CHANGE_ERROR_BOUND = {AdamW8bit: 0.04, AdamW4bit: 0.45, AdamWFp8: 0.05, AdamWFactored4bit: 0.45}
 
 
 @pytest.mark.parametrize("backend", ["eager", "compile"])
-@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*OPTIMIZERS, AdamWFactored4bit], ids=lambda c: c.__name__)
 def test_quantized_state_follows_torch_adamw(cls, backend):
     initial, weight, _, optimizer = train(
         lambda p, **kw: cls(p, backend=backend, **kw), STEPS, weight_decay=WEIGHT_DECAY)
@@ -110,7 +112,7 @@ def test_maximize_ascends():
     assert loss(weight) > loss(initial) > loss(descended)
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*OPTIMIZERS, AdamWFactored4bit], ids=lambda c: c.__name__)
 def test_eager_and_compiled_agree_step_by_step(cls):
     weights = [torch.randn(96, 130) for _ in range(2)]  # 12480 elements: whole blocks and a tail
     params = [torch.nn.Parameter(weights[0].clone()) for _ in range(2)]
@@ -125,6 +127,12 @@ def test_eager_and_compiled_agree_step_by_step(cls):
         assert relative_rmse(params[1], params[0]) < 1e-5
         states = [opt.state[p] for opt, p in zip(optimizers, params)]
         for key in ("exp_avg", "exp_avg_sq"):
+            if isinstance(states[0][key], FactoredState):
+                # Inductor sums the statistics in another order: float rounding.
+                for name in ("row", "col"):
+                    torch.testing.assert_close(getattr(states[1][key], name), getattr(states[0][key], name),
+                                               rtol=1e-5, atol=0)
+                continue
             differ = (states[0][key].codes != states[1][key].codes).float().mean()
             assert differ < 1e-3
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, backends
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, backends, factored
 
 STEPS = 30
 
@@ -23,7 +23,12 @@ def train_step(model, optimizer):
 
 
 def graph_count(optimizer):
-    return backends.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
+    """Graphs of the optimizer's compiled steps (the factored class has two more functions:
+    its statistics and its update)."""
+    count = backends.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
+    if isinstance(optimizer, AdamWFactored4bit):
+        count += factored.compiled_graph_count(optimizer.exp_avg_format)
+    return count
 
 
 SCHEDULES = {
@@ -51,7 +56,7 @@ SCHEDULES["transformers.get_scheduler(cosine)"] = transformers_cosine
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
-@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit, AdamWFp8], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit, AdamWFp8, AdamWFactored4bit], ids=lambda c: c.__name__)
 def test_schedulers_cause_no_recompiles(cls, name):
     model = make_model()
     optimizer = cls(model.parameters(), lr=1e-3, backend="compile")
@@ -77,9 +82,10 @@ def test_schedulers_cause_no_recompiles(cls, name):
     assert isinstance(optimizer.param_groups[0]["lr"], float), "the group keeps the float LR"
 
 
-def test_every_manual_change_is_taken_without_recompiles():
+@pytest.mark.parametrize("cls", [AdamW4bit, AdamWFactored4bit], ids=lambda c: c.__name__)
+def test_every_manual_change_is_taken_without_recompiles(cls):
     model = make_model()
-    optimizer = AdamW4bit(model.parameters(), lr=1e-3, backend="compile")
+    optimizer = cls(model.parameters(), lr=1e-3, backend="compile")
     train_step(model, optimizer)
     graphs = graph_count(optimizer)
     group = optimizer.param_groups[0]
@@ -107,7 +113,7 @@ def test_every_manual_change_is_taken_without_recompiles():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("cls", [AdamW8bit, AdamWFp8], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamWFp8, AdamWFactored4bit], ids=lambda c: c.__name__)
 def test_twelve_distinct_shapes_share_one_graph(cls):
     shapes = [(64 + 8 * i, 72 + 4 * i) for i in range(12)]  # 4608 .. 17424 elements
     assert len(set(shapes)) == 12
@@ -131,11 +137,12 @@ FACTORY_OPS = {"aten::scalar_tensor", "aten::lift_fresh", "aten::lift_fresh_copy
                "aten::zeros", "aten::ones", "aten::tensor"}
 
 
-def test_steady_state_step_makes_no_tensor_from_a_python_number():
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamWFactored4bit], ids=lambda c: c.__name__)
+def test_steady_state_step_makes_no_tensor_from_a_python_number(cls):
     from torch.profiler import ProfilerActivity, profile
 
     model = make_model()
-    optimizer = AdamW8bit(model.parameters(), lr=1e-3, backend="compile")
+    optimizer = cls(model.parameters(), lr=1e-3, backend="compile")
     scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
     train_step(model, optimizer)
     for p in model.parameters():

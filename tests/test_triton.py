@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA, assert_close_verbose
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, backends, distributed
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, backends, distributed
 from lowbit_optim.functional import StepScalars, StoredMoment, quantized_adamw_step
 from lowbit_optim.quant.formats import get_format
 from lowbit_optim.state import QuantizedState
@@ -367,6 +367,29 @@ def test_stochastic_rounding_follows_torch_seed():
                     hyper_tensors(1e-2, (0.9, 0.999), 0.0, 1), stochastic_round=True)
         results.append(param)
     assert torch.equal(results[0], results[1])
+
+
+def test_factored_optimizer_with_the_triton_backend(launches):
+    """AdamWFactored4bit with backend="triton": its factored weight goes through the compiled
+    factored step (the kernel has no factored variant; within float rounding of eager), its
+    1-D quantized parameter through the kernel, one launch per step."""
+    torch.manual_seed(1)
+    weights = [torch.randn(64, 80), torch.randn(4096)]  # 4096: one aligned launch per step
+    runs = {}
+    for backend in ("triton", "eager"):
+        leaves = [torch.nn.Parameter(w.clone()) for w in weights]
+        optimizer = AdamWFactored4bit(leaves, min_quant_size=1000, backend=backend)
+        torch.manual_seed(2)
+        for _ in range(2):
+            for leaf in leaves:
+                leaf.grad = torch.randn_like(leaf)
+            optimizer.step()
+        runs[backend] = (leaves, optimizer)
+    (triton_leaves, triton_opt), (eager_leaves, _) = runs["triton"], runs["eager"]
+    assert len(launches.grids) == 2
+    assert isinstance(triton_opt.state[triton_leaves[0]]["exp_avg_sq"], FactoredState)
+    torch.testing.assert_close(triton_leaves[0].detach(), eager_leaves[0].detach(), rtol=1e-6, atol=1e-7)
+    assert_params_close(triton_leaves[1].detach(), eager_leaves[1].detach(), "1-D param")
 
 
 @pytest.mark.usefixtures("interpreter")

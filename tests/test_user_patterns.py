@@ -16,12 +16,12 @@ from test_schedules import SCHEDULES
 from torch._dynamo.utils import counters
 from torch.optim import lr_scheduler
 
-from lowbit_optim import AdamW4bit, AdamW8bit, backends, state_bytes
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, backends, state_bytes
 from lowbit_optim import optimizer as optimizer_module
 from lowbit_optim.checkpoint import to_torch_adamw
 from lowbit_optim.profiling import allocation_peak_bytes
 
-OPTIMIZERS = [AdamW8bit, AdamW4bit]
+OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFactored4bit]
 
 
 def _ids(cls):

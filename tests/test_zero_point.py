@@ -22,10 +22,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
 from lowbit_optim.quant.formats import FLOAT8
 
-OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8]
+OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8, AdamWFactored4bit]
 BETAS = (0.9, 0.999)
 QUANTIZATION_ALLOWANCE = 4.0
 
@@ -109,6 +109,50 @@ def test_no_update_exceeds_adams_bound(cls, sequence):
         moved = (param.detach() - before).abs().max().item()
         bound = QUANTIZATION_ALLOWANCE * adam_bound(step)
         assert moved <= bound, (step, moved, bound)
+
+
+def test_zero_point_repro_on_a_factored_weight_moves_at_most_ten_times_torch():
+    """The repro on a 64 x 64 weight, whose second moment AdamWFactored4bit factors: the
+    small element's factored v comes from its row and column, not from its own gradient."""
+    def run(make):
+        param = torch.nn.Parameter(torch.zeros(64, 64))
+        optimizer = make([param])
+        grad = torch.full((4096,), 1e-4)
+        grad[::256] = 1.0
+        for step_grad in (grad, torch.zeros(4096)):
+            param.grad = step_grad.clone().view(64, 64)
+            optimizer.step()
+        assert not isinstance(optimizer, AdamWFactored4bit) or isinstance(
+            optimizer.state[param]["exp_avg_sq"], FactoredState)
+        return param.view(-1)[1].item()
+
+    expected = run(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    actual = run(lambda ps: AdamWFactored4bit(ps, lr=1e-3))
+    assert abs(actual) <= 10 * abs(expected), (actual, expected)
+    assert actual < 0, "still moves against the gradient"
+
+
+@settings(max_examples=40, deadline=None)
+@given(sequence=gradient_sequences(), spread=st.sampled_from([0.0, 1e-6, 1.0]))
+def test_factored_updates_stay_within_adams_own_bound(sequence, spread):
+    """The same adversarial magnitudes on a factored 16 x 64 weight, placed block-diagonally
+    (row i carries its pattern in columns 4i..4i+3, ``spread`` times it elsewhere): an
+    identity-like gradient, whose factored second moment underestimates the diagonal
+    elements' own by up to 16x. The ratio is clamped at Adam's own bound, so every element
+    moves by at most that bound (lr 1, no weight decay; float rounding 1e-5), with no
+    quantization allowance: the clamp applies to the float first moment of the step."""
+    param = torch.nn.Parameter(torch.zeros(16, 64))
+    optimizer = AdamWFactored4bit([param], lr=1.0, betas=BETAS, weight_decay=0.0, min_quant_size=0,
+                                  backend="eager")
+    diagonal = torch.eye(16).repeat_interleave(4, dim=1)
+    for step, values in enumerate(sequence, start=1):
+        before = param.detach().clone()
+        magnitudes = torch.tensor(values).repeat(2)[:, None]
+        param.grad = magnitudes * (diagonal + spread * (1 - diagonal))
+        optimizer.step()
+        assert isinstance(optimizer.state[param]["exp_avg_sq"], FactoredState)
+        moved = (param.detach() - before).abs().max().item()
+        assert moved <= adam_bound(step) * (1 + 1e-5), (step, moved, adam_bound(step))
 
 
 @pytest.mark.parametrize("cls, plain_format", [(AdamW8bit, "dynamic8-unsigned"), (AdamWFp8, "float8-e4m3")],

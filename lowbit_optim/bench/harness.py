@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ OPTIMIZERS = {
         OptimizerSpec("lowbit_8bit", "lowbit_optim AdamW8bit", None, AdamW8bit),
         OptimizerSpec("lowbit_4bit", "lowbit_optim AdamW4bit", None, AdamW4bit),
         OptimizerSpec("lowbit_fp8", "lowbit_optim AdamWFp8", None, AdamWFp8),
+        OptimizerSpec("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit", None, AdamWFactored4bit),
         OptimizerSpec("torchao_8bit", "torchao AdamW8bit", "torchao", _torchao("AdamW8bit")),
         OptimizerSpec("torchao_4bit", "torchao AdamW4bit", "torchao", _torchao("AdamW4bit")),
         OptimizerSpec("torchao_fp8", "torchao AdamWFp8", "torchao", _torchao("AdamWFp8")),

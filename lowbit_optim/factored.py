@@ -1,0 +1,220 @@
+"""The step of a parameter whose second moment is factored (``AdamWFactored4bit``).
+
+Two passes over the parameter, each in bounded chunks (``backends.CHUNK_ELEMENTS``), so no
+parameter-sized float32 temporary is ever made:
+
+1. ``second_moment_sums``: per chunk of rows of the ``(rows, columns)`` view, the sums over
+   columns and over rows of ``(1 - beta2) * g**2`` (``functional.squared_gradient_term``).
+   They update the statistics as Adafactor does:
+   ``row = beta2 * row + mean_j(...)``, ``col = beta2 * col + mean_i(...)``.
+2. ``factored_adamw_step``: per chunk of whole quantization blocks, the 4-bit first moment
+   is decoded, updated and re-encoded as in ``quantized_adamw_step``, and each element's
+   second moment is ``row[i] * col[j] / mean(col)`` (``factored_state.reconstruct``), found
+   from its flat index. The parameter moves by ``functional.parameter_update`` with the
+   ratio ``exp_avg / denom`` clamped at Adam's own bound (``adam_ratio_bound``): the
+   factored ``v`` can underestimate an element's own second moment by up to
+   ``min(rows, columns)`` times (an identity-like gradient), and the clamp keeps every update
+   within what Adam itself could do (docs/design.md, "The factored second moment").
+
+Elements with a non-finite gradient keep their parameter value and first moment, and add 0
+to the statistics. Every function takes tensors only (hyperparameters and indices as 0-d
+tensors), so one compiled graph serves every shape and schedule.
+"""
+
+import functools
+
+import torch
+import torch._dynamo
+import torch.fx.experimental._config as fx_config
+
+from lowbit_optim.factored_state import normalized_columns
+from lowbit_optim.functional import (
+    bias_corrections,
+    compute_dtype,
+    effective_gradient,
+    first_moment_update,
+    parameter_update,
+    squared_gradient_term,
+    write_param,
+)
+from lowbit_optim.quant.formats import QuantFormat
+
+
+def adam_ratio_bound(beta1, beta2, step):
+    """Adam's bound on ``|exp_avg / denom|`` in ``parameter_update`` at ``step``.
+
+    Cauchy-Schwarz on ``m_t = (1 - b1) sum_k b1**k g_{t-k}`` and ``v_t = (1 - b2) sum_k
+    b2**k g_{t-k}**2`` gives ``|m_t| <= (1 - b1) sqrt(sum_{k<t} (b1**2 / b2)**k)
+    sqrt(v_t / (1 - b2))``; ``exp_avg / denom`` is ``m_t / (sqrt(v_t) / sqrt(1 - b2**t))``
+    at most. Infinite for ``beta2 = 0`` (then ``v`` holds only the last gradient).
+    """
+    gamma = beta1**2 / beta2
+    geometric = torch.where(gamma == 1, step.to(gamma.dtype), (1 - gamma**step) / (1 - gamma))
+    bound = (1 - beta1) * (geometric / (1 - beta2)).sqrt() * (1 - beta2**step).sqrt()
+    # masked_fill, not where with a Python number: no tensor is made from the number.
+    return bound.masked_fill(beta2 <= 0, torch.inf)
+
+
+def second_moment_sums(param_rows, grad_rows, beta2, weight_decay, *, maximize: bool,
+                       decoupled_weight_decay: bool):
+    """For a ``(k, columns)`` chunk: float32 sums of ``(1 - beta2) * g**2`` over each row
+    ``(k,)`` and over each column ``(columns,)``."""
+    dtype = compute_dtype(param_rows)
+    _, safe_grad = effective_gradient(param_rows.to(dtype), grad_rows.to(dtype),
+                                      weight_decay=weight_decay, maximize=maximize,
+                                      decoupled_weight_decay=decoupled_weight_decay)
+    term = squared_gradient_term(safe_grad, beta2)
+    return term.sum(dim=1).to(torch.float32), term.sum(dim=0).to(torch.float32)
+
+
+def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized,
+                        first_element, columns, lr, beta1, eps, weight_decay, bias_correction1,
+                        bias_correction2_sqrt, max_ratio, *, exp_avg_format: QuantFormat,
+                        maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool):
+    """Whole blocks ``(n, block_size)`` of a parameter starting at flat element
+    ``first_element`` (0-d int64), in place: the first moment's codes and scales and the
+    parameter. ``row`` and ``col_normalized`` (``col / mean(col)``) are this step's
+    statistics; ``columns`` (0-d int64) the length of the last dimension. Elements past the
+    parameter's end (a padded last block) read the last row's statistics."""
+    dtype = compute_dtype(param)
+    blocks, block_size = param.shape
+    exp_avg_parts = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
+    param_parts = exp_avg_format.split(param)
+    grad_parts = exp_avg_format.split(grad)
+    part_width = block_size // len(param_parts)
+    block_starts = first_element + torch.arange(blocks, device=param.device)[:, None] * block_size
+    corrections = (bias_correction1, bias_correction2_sqrt)
+
+    new_params, new_exp_avgs = [], []
+    for index, param_part in enumerate(param_parts):
+        flat = block_starts + (index * part_width + torch.arange(part_width, device=param.device))
+        row_index = flat // columns
+        col_index = flat - row_index * columns
+        second_moment = row[row_index.clamp(max=row.shape[0] - 1)] * col_normalized[col_index]
+        old_param, exp_avg = param_part.to(dtype), exp_avg_parts[index].to(dtype)
+        finite, safe_grad = effective_gradient(old_param, grad_parts[index].to(dtype),
+                                               weight_decay=weight_decay, maximize=maximize,
+                                               decoupled_weight_decay=decoupled_weight_decay)
+        new_exp_avg = first_moment_update(exp_avg, safe_grad, beta1)
+        new_param = parameter_update(old_param, new_exp_avg, second_moment.to(dtype), lr=lr, eps=eps,
+                                     weight_decay=weight_decay, corrections=corrections,
+                                     decoupled_weight_decay=decoupled_weight_decay, max_ratio=max_ratio)
+        new_params.append(torch.where(finite, new_param, old_param))
+        new_exp_avgs.append(torch.where(finite, new_exp_avg, exp_avg))
+
+    codes, scales = exp_avg_format.encode_parts(new_exp_avgs)
+    exp_avg_codes.copy_(codes)
+    exp_avg_scales.copy_(scales)
+    for param_part, new_param in zip(param_parts, new_params):
+        write_param(param_part, new_param, stochastic_round=stochastic_round)
+
+
+@functools.cache
+def compiled_functions(exp_avg_format: QuantFormat):
+    """``(second_moment_sums, factored_adamw_step)`` compiled, once per process and format."""
+    from lowbit_optim.backends import _with_own_code_object
+
+    suffix = exp_avg_format.name.replace("-", "_")
+    return (
+        torch.compile(_with_own_code_object(second_moment_sums, f"second_moment_sums__{suffix}"),
+                      dynamic=False),
+        torch.compile(_with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"),
+                      dynamic=False),
+    )
+
+
+def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
+    """How many graphs Dynamo holds for the factored step's two functions together."""
+    total = 0
+    for function in compiled_functions(exp_avg_format):
+        code = function._torchdynamo_orig_callable.__code__
+        total += len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    return total
+
+
+def _call(function, compiled: bool, dynamic_dims: dict, *args, **kwargs):
+    """``function(*args, **kwargs)``; compiled, with the sizes in ``dynamic_dims`` (argument
+    position -> dims) marked dynamic so that one graph serves every shape (size-oblivious
+    reasoning: see ``backends._call``)."""
+    if not compiled:
+        return function(*args, **kwargs)
+    for position, dims in dynamic_dims.items():
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(args[position], dim)
+    with fx_config.patch(backed_size_oblivious=True):
+        return function(*args, **kwargs)
+
+
+def run_factored_step(backend: str, entry, hyper, scratch, *, maximize: bool,
+                      stochastic_round: bool, decoupled_weight_decay: bool) -> None:
+    """Update one parameter with a 4-bit first moment and a ``FactoredState`` second moment
+    in place, with ``"compile"`` or ``"eager"`` (``entry``: a ``backends.ParamStep``;
+    ``hyper``: a ``functional.StepScalars``)."""
+    from lowbit_optim.backends import CHUNK_ELEMENTS
+
+    param, grad, exp_avg, factored, _, _ = entry
+    lr, beta1, beta2, eps, weight_decay, step = hyper
+    compiled = backend == "compile"
+    if compiled:
+        statistics_step, update_step = compiled_functions(exp_avg.format)
+    else:
+        statistics_step, update_step = second_moment_sums, factored_adamw_step
+    flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+
+    param = param.detach()
+    work = param if param.is_contiguous() else param.contiguous()
+    rows, columns = factored.row.numel(), factored.col.numel()
+    param_matrix = work.view(rows, columns)
+    grad_matrix = grad.detach().reshape(rows, columns)
+
+    # Pass 1: the statistics, a bounded chunk of rows at a time.
+    chunk_rows = max(1, CHUNK_ELEMENTS // columns)
+    column_sums = None
+    for first in range(0, rows, chunk_rows):
+        chunk = slice(first, min(first + chunk_rows, rows))
+        row_sums, chunk_column_sums = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
+                                            param_matrix[chunk], grad_matrix[chunk], beta2,
+                                            weight_decay, **flags)
+        factored.row[chunk].mul_(beta2).add_(row_sums / columns)
+        column_sums = chunk_column_sums if column_sums is None else column_sums.add_(chunk_column_sums)
+    factored.col.mul_(beta2).add_(column_sums / rows)
+
+    # Pass 2: the update, a bounded chunk of whole quantization blocks at a time.
+    bias_correction1, bias_correction2_sqrt = bias_corrections(beta1, beta2, step)
+    scalars = (lr, beta1, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+               adam_ratio_bound(beta1, beta2, step))
+    col_normalized = normalized_columns(factored.col)
+    # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
+    # no tensor is made per step, and no size becomes a guarded constant.
+    columns_scalar = scratch.index_scalar("columns").fill_(columns)
+    first_element_scalar = scratch.index_scalar("first_element")
+    flat_param, flat_grad = work.view(-1), grad_matrix.view(-1)
+    block_size = exp_avg.block_size
+    whole_blocks, tail = divmod(flat_param.numel(), block_size)
+    options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
+    dynamic = {index: (0,) for index in range(6)}
+
+    def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
+        _call(update_step, compiled, dynamic, param_blocks, grad_blocks, exp_avg.codes[block_rows],
+              exp_avg.scales[block_rows], factored.row, col_normalized,
+              first_element_scalar.fill_(first_element), columns_scalar, *scalars, **options)
+
+    chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
+    for first in range(0, whole_blocks, chunk_blocks):
+        count = min(chunk_blocks, whole_blocks - first)
+        elements = slice(first * block_size, (first + count) * block_size)
+        update(flat_param[elements].view(count, block_size), flat_grad[elements].view(count, block_size),
+               slice(first, first + count), first * block_size)
+    if tail:
+        start = whole_blocks * block_size
+        param_block = scratch.get(flat_param, block_size, "param")
+        grad_block = scratch.get(flat_grad, block_size, "grad")
+        param_block[0, :tail].copy_(flat_param[start:])
+        grad_block[0, :tail].copy_(flat_grad[start:])
+        # Zero padding: its first moment stays 0 and never sets the block's scale.
+        param_block[0, tail:].zero_()
+        grad_block[0, tail:].zero_()
+        update(param_block, grad_block, slice(whole_blocks, None), start)
+        flat_param[start:].copy_(param_block[0, :tail])
+    if work is not param:
+        param.copy_(work)

@@ -1,0 +1,186 @@
+"""``FactoredState``: a second moment stored as per-row and per-column float32 statistics.
+
+``AdamWFactored4bit`` (lpmm's "4-bit Factor", after Adafactor, Shazeer & Stern 2018) keeps
+the second moment ``v`` of a parameter with at least two dimensions as two vectors: viewing
+the parameter as a ``(rows, columns)`` matrix (the last dimension against all the others
+flattened), ``row[i]`` is the mean of ``v[i, :]`` and ``col[j]`` the mean of ``v[:, j]``. The
+second moment it stands for is their outer product normalised by the overall mean,
+``v[i, j] = row[i] * col[j] / mean(col)``, exact when ``v`` has rank one. It costs
+``4 * (rows + columns)`` bytes instead of one value per element.
+
+Like ``QuantizedState`` it only stores and converts (the step is ``lowbit_optim.factored``)
+and looks like a tensor of the parameter's shape and dtype, so that ``state_dict``,
+``load_state_dict``'s dtype cast, ``torch.save`` and ``copy.deepcopy`` handle it. Supported
+aten ops: ``detach``/``alias`` (same vectors), ``clone``, ``_to_copy`` (moves the vectors; a
+dtype cast only relabels), ``copy_`` (float -> state factors the values; state -> float
+reconstructs them), ``zeros_like``/``empty_like``, ``equal``, ``is_pinned``.
+"""
+
+import torch
+
+aten = torch.ops.aten
+
+
+def factor_shape(shape) -> tuple[int, int]:
+    """``(rows, columns)`` of the matrix a parameter of ``shape`` (at least 2-D) is factored as."""
+    shape = torch.Size(shape)
+    if len(shape) < 2:
+        raise ValueError(
+            f"a factored second moment needs a parameter with >= 2 dims, got shape {tuple(shape)}"
+        )
+    return shape[:-1].numel(), shape[-1]
+
+
+def reconstruct(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """``row[i] * col[j] / mean(col)`` as a ``(rows, columns)`` float32 matrix (0 where every
+    statistic is 0). The step computes the same product element by element."""
+    return row[:, None] * normalized_columns(col)[None, :]
+
+
+def normalized_columns(col: torch.Tensor) -> torch.Tensor:
+    """``col / mean(col)``, or zeros when ``col`` is all zero (no gradient seen yet: the
+    clamp turns 0 / 0 into 0 / tiny)."""
+    return col / col.mean().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+class FactoredState(torch.Tensor):
+    row: torch.Tensor
+    col: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, row, col, shape, dtype=torch.float32):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=row.device, requires_grad=False
+        )
+
+    def __init__(self, row, col, shape, dtype=torch.float32):
+        self.row = row
+        self.col = col
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def zeros(cls, shape, *, device=None, dtype=torch.float32):
+        rows, columns = factor_shape(shape)
+        return cls(torch.zeros(rows, device=device), torch.zeros(columns, device=device),
+                   torch.Size(shape), dtype)
+
+    @classmethod
+    def from_float(cls, tensor: torch.Tensor, *, dtype=None):
+        """The factors of a full second moment (``torch.optim.AdamW``'s ``exp_avg_sq``): its
+        row and column means."""
+        state = cls.zeros(tensor.shape, device=tensor.device, dtype=dtype or tensor.dtype)
+        return state.factor_(tensor)
+
+    # --- properties and conversion ------------------------------------------------------
+    def state_nbytes(self) -> int:
+        return self.row.nbytes + self.col.nbytes
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The second moment these factors stand for, shaped like the parameter."""
+        return reconstruct(self.row, self.col).view(self.shape).to(dtype or self.dtype)
+
+    def factor_(self, tensor: torch.Tensor) -> "FactoredState":
+        """Store the row and column means of ``tensor`` (same shape) into these factors."""
+        if tensor.shape != self.shape:
+            raise ValueError(
+                f"cannot factor a tensor of shape {tuple(tensor.shape)} into a state of shape "
+                f"{tuple(self.shape)}"
+            )
+        matrix = tensor.detach().to(device=self.row.device, dtype=torch.float32).reshape(self.row.numel(), -1)
+        self.row.copy_(matrix.mean(dim=1))
+        self.col.copy_(matrix.mean(dim=0))
+        return self
+
+    def _relabel(self, row=None, col=None, dtype=None):
+        return FactoredState(self.row if row is None else row, self.col if col is None else col,
+                             self.shape, self.dtype if dtype is None else dtype)
+
+    # --- torch.compile / serialization ----------------------------------------------------
+    def __tensor_flatten__(self):
+        return ["row", "col"], (tuple(self.shape), self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
+        shape, dtype = ctx
+        return cls(inner_tensors["row"], inner_tensors["col"], shape, dtype)
+
+    def __reduce_ex__(self, protocol):
+        # Plain tensors and builtins: torch.load(weights_only=True) accepts it once the class
+        # is a safe global.
+        return FactoredState, (self.row, self.col, tuple(self.shape), self.dtype)
+
+    def __repr__(self):
+        return (f"FactoredState(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"rows={self.row.numel()}, columns={self.col.numel()}, device={self.device})")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"FactoredState does not support {func}: it is AdamWFactored4bit's second moment "
+                "stored as row and column statistics. Call .dequantize() for its values; to use "
+                "the state dict with torch.optim.AdamW, convert it with "
+                "lowbit_optim.checkpoint.to_torch_adamw(state_dict)"
+            )
+        return handler(*args, **(kwargs or {}))
+
+
+def _detach(state):
+    return state._relabel()
+
+
+def _clone(state, memory_format=None):
+    return state._relabel(row=state.row.clone(), col=state.col.clone())
+
+
+def _to_copy(state, *, dtype=None, device=None, layout=None, pin_memory=None,
+             non_blocking=False, memory_format=None):
+    # A dtype cast only relabels: Optimizer.load_state_dict casts every state tensor to its
+    # parameter's dtype, and the float32 statistics must survive it.
+    return state._relabel(row=state.row.to(device=device, non_blocking=non_blocking),
+                          col=state.col.to(device=device, non_blocking=non_blocking), dtype=dtype)
+
+
+def _copy(dst, src, non_blocking=False):
+    if isinstance(dst, FactoredState) and isinstance(src, FactoredState):
+        if dst.shape != src.shape:
+            raise RuntimeError(f"cannot copy a FactoredState of shape {tuple(src.shape)} into one of "
+                               f"shape {tuple(dst.shape)}")
+        dst.row.copy_(src.row)
+        dst.col.copy_(src.col)
+        return dst
+    if isinstance(dst, FactoredState):
+        return dst.factor_(src)
+    return dst.copy_(src.dequantize(dst.dtype))
+
+
+def _zeros_like(state, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return FactoredState.zeros(state.shape, device=device or state.device, dtype=dtype or state.dtype)
+
+
+def _equal(a, b):
+    if not (isinstance(a, FactoredState) and isinstance(b, FactoredState)):
+        return False
+    return a.shape == b.shape and torch.equal(a.row, b.row) and torch.equal(a.col, b.col)
+
+
+def _is_pinned(state, device=None):
+    return state.row.is_pinned() and state.col.is_pinned()
+
+
+_HANDLERS = {
+    aten.detach.default: _detach,
+    aten.alias.default: _detach,
+    aten.clone.default: _clone,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy,
+    aten.zeros_like.default: _zeros_like,
+    aten.empty_like.default: _zeros_like,
+    aten.equal.default: _equal,
+    aten.is_pinned.default: _is_pinned,
+}
+
+torch.serialization.add_safe_globals([FactoredState])
