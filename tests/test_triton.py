@@ -25,7 +25,15 @@ import pytest
 import torch
 from conftest import HAS_CUDA, assert_close_verbose
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, backends, distributed
+from lowbit_optim import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFactored4bit,
+    AdamWFp8,
+    FactoredState,
+    backends,
+    distributed,
+)
 from lowbit_optim.functional import StepScalars, StoredMoment, quantized_adamw_step
 from lowbit_optim.quant.formats import get_format
 from lowbit_optim.state import QuantizedState
