@@ -56,13 +56,20 @@ def addresses_of(tensor_lists: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.tensor([[t.data_ptr() for t in tensors] for tensors in tensor_lists], dtype=torch.int64)
 
 
-def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list[list[torch.Tensor]]:
+def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int
+                ) -> tuple[list[list[torch.Tensor]], list[int], list[int]]:
     """Split a parameter whose tensors are 16-byte aligned but whose size is not a multiple of
     16 into its whole blocks, which can take the aligned launch, and its last, partial block,
-    which takes the unaligned one (a block is never split: its scale is its maximum)."""
+    which takes the unaligned one (a block is never split: its scale is its maximum).
+
+    Returns the lists of pieces and, per piece, the index of its parameter and the element of
+    that parameter it starts at (what ``kernels.plan`` needs to place a new gradient's pieces
+    without making views of it)."""
+    count = len(tensor_lists[0])
     if all(param.numel() % ALIGNMENT_ELEMENTS == 0 for param in tensor_lists[0]):
-        return tensor_lists  # the common case: nothing to split
+        return tensor_lists, list(range(count)), [0] * count  # the common case: nothing to split
     pieces: list[list[torch.Tensor]] = [[] for _ in tensor_lists]
+    piece_param, piece_start = [], []
     for index, param in enumerate(tensor_lists[0]):
         tensors = [tensors[index] for tensors in tensor_lists]
         whole_blocks = param.numel() // block_size
@@ -75,10 +82,14 @@ def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list
                      for position, t in enumerate(tensors)]
             for piece_list, (head, tail) in zip(pieces, split):
                 piece_list += [head, tail]
+            piece_param += [index, index]
+            piece_start += [0, body]
         else:
             for piece_list, tensor in zip(pieces, tensors):
                 piece_list.append(tensor)
-    return pieces
+            piece_param.append(index)
+            piece_start.append(0)
+    return pieces, piece_param, piece_start
 
 
 def split_aligned(tensor_lists: list[list[torch.Tensor]],
@@ -112,8 +123,8 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
     layout = _CACHE.get(key)
     if layout is None:
         element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
-        layout = _build(address, element_sizes, numels, block_size, rows, device)
-        if aligned and not (layout.aligned and all(n % ALIGNMENT_ELEMENTS == 0 for n in numels)):
+        layout = build_layout(address, element_sizes, numels, block_size, rows, device)
+        if aligned and not layout.aligned:
             raise ValueError("tensors are not aligned as an aligned launch needs (see split_aligned)")
         layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned)
         _CACHE[key] = layout
@@ -124,17 +135,21 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
     return layout
 
 
-def _build(address, element_sizes, numels, block_size, rows, device) -> Layout:
-    """The table and program map, computed with tensor operations (no Python loop per tensor).
-    ``address``: int64 ``(lists, parameters)``."""
+def build_layout(address: torch.Tensor, element_sizes: list[int], numels: list[int], block_size: int,
+                 rows: int, device: torch.device) -> Layout:
+    """The table and program map, computed with tensor operations (no Python loop per tensor),
+    copied to ``device``. ``address``: int64 ``(lists, parameters)``, each list's base first.
+    ``aligned`` says whether they could take the aligned launch (every base 16-byte aligned,
+    every offset and size a multiple of 16 elements)."""
     num_params = len(numels)
     sizes = torch.tensor(element_sizes, dtype=torch.int64)[:, None]
     delta = address - address[:, :1]
     if bool((delta % sizes).any()):
         raise ValueError("tensor addresses are not whole elements apart")
     offsets = delta // sizes
-    aligned = bool((address[:, 0] % 16 == 0).all()) and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
     numel = torch.tensor(numels, dtype=torch.int64)
+    aligned = (bool((address[:, 0] % 16 == 0).all()) and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
+               and bool((numel % ALIGNMENT_ELEMENTS == 0).all()))
     blocks = (numel + block_size - 1) // block_size
     programs = (blocks + rows - 1) // rows
     table = torch.empty(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
