@@ -149,17 +149,24 @@ def write_param(param: torch.Tensor, values: torch.Tensor, *, stochastic_round: 
 
 
 class _Flat:
-    """A list of tensors as one flat tensor: a buffer with a view of it shaped like each
-    tensor (made once), or, for a single contiguous tensor, a flat view of the tensor itself
-    (a large parameter stepped alone is not copied)."""
+    """A list of tensors as one flat tensor, to compute on and write back.
+
+    Tensors that already are consecutive views of one 1-D tensor (the float moments of small
+    parameters, which ``step_plan`` lays out so) are used in place, as is a single contiguous
+    tensor (a large parameter stepped alone is not copied); others are gathered into a
+    buffer, with a view of it shaped like each tensor made once.
+    """
 
     def __init__(self, tensors: list[torch.Tensor]):
+        self.views = None
         if len(tensors) == 1 and tensors[0].is_contiguous():
-            self.flat, self.views = tensors[0].view(-1), None
+            self.flat = tensors[0].view(-1)
             return
-        sizes = [t.numel() for t in tensors]
-        self.flat = torch.empty(sum(sizes), dtype=tensors[0].dtype, device=tensors[0].device)
-        self.views = [piece.view(t.shape) for piece, t in zip(self.flat.split(sizes), tensors)]
+        self.flat = consecutive_views(tensors)
+        if self.flat is None:
+            sizes = [t.numel() for t in tensors]
+            self.flat = torch.empty(sum(sizes), dtype=tensors[0].dtype, device=tensors[0].device)
+            self.views = [piece.view(t.shape) for piece, t in zip(self.flat.split(sizes), tensors)]
 
     def gather(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.views is not None:
@@ -172,18 +179,33 @@ class _Flat:
             torch._foreach_copy_(tensors, self.views)
 
 
+def consecutive_views(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D tensor that ``tensors`` are contiguous, consecutive views of, in order, or None."""
+    base = tensors[0]._base
+    if base is None or base.dim() != 1 or not base.is_contiguous():
+        return None
+    offset = start = tensors[0].storage_offset()
+    for tensor in tensors:
+        if tensor._base is not base or not tensor.is_contiguous() or tensor.storage_offset() != offset:
+            return None
+        offset += tensor.numel()
+    return base[start - base.storage_offset():offset - base.storage_offset()]
+
+
 class FloatStateStep:
     """The step for parameters with float moments (below ``min_quant_size``), in place,
     set up once for a fixed list of them (``backends.AdamWPlan`` keeps it between steps).
 
     Parameters of one device and dtype with the same step count are computed as one flat
     tensor, so the number of kernels does not grow with their number (issue 17: one by one,
-    each norm or bias cost ~40 ops, ~25 launches on a GPU). The flat tensors are buffers kept
-    here, with views of them shaped like each parameter made once: a step gathers into them
-    and scatters back with ``torch._foreach_copy_`` and makes no view per parameter (a
-    ``cat``, a ``split`` and a ``view`` per tensor cost ~2.5 ms per step for 160 norms on
-    CPU, issue 17 item 3). ``max_exp_avg_sqs`` is ``None`` unless amsgrad is on. The moments
-    are ``compute_dtype`` (float32; float64 for float64 parameters).
+    each norm or bias cost ~40 ops, ~25 launches on a GPU), with no Python work per parameter
+    (a ``cat``, a ``split`` and a ``view`` per tensor cost ~2.5 ms per step for 160 norms on
+    CPU, issue 17 item 3): parameters and gradients are gathered with one
+    ``torch._foreach_copy_`` each into buffers kept here and the parameters written back with
+    one; moments laid out as consecutive views of one tensor (``step_plan`` does that) are
+    updated in place, others gathered and written back the same way (``_Flat``).
+    ``max_exp_avg_sqs`` is ``None`` unless amsgrad is on. The moments are ``compute_dtype``
+    (float32; float64 for float64 parameters).
     """
 
     def __init__(self, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):

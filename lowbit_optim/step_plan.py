@@ -18,7 +18,12 @@ Triton backend, each kind's launches and layouts) together with exactly those fa
 * each gradient's dtype and shape against its parameter's and that it is dense: anything
   else goes to ``LowBitAdamW._check_grads``, which refuses it before anything changes;
 * the step counts, before they are advanced, against what the plan last left them at (one
-  ``torch.stack`` and ``torch.equal``): a count changed in place may no longer share its kind.
+  ``torch.equal``): a count changed in place may no longer share its kind.
+
+The plan lays out its parameters' step counts as 0-d views of one tensor, so that one add
+advances them all, and the float moments of small parameters as views of one tensor per
+moment, so that the flat float-state step updates them in place. Values, shapes and dtypes
+are unchanged: state dicts, checkpoints and ``torch.optim`` see the tensors they saw before.
 
 Gradients' addresses are not part of it: new gradients at new addresses are what every step
 with ``zero_grad(set_to_none=True)`` brings, and the Triton kinds follow them cheaply
@@ -31,12 +36,35 @@ from operator import attrgetter, is_not, methodcaller
 import torch
 
 from lowbit_optim import backends, distributed
+from lowbit_optim.functional import consecutive_views
+from lowbit_optim.state import MOMENT_KEYS
 
 _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _SHAPE = attrgetter("shape")
 _IS_SPARSE = attrgetter("is_sparse")
 _DATA_PTR = methodcaller("data_ptr")
+
+
+def _flatten_float_moments(state_dicts: list[dict]) -> None:
+    """Make the float moments of small parameters (those ``backends`` steps together) views of
+    one tensor per moment, dtype and device, consecutive in parameter order (values, shapes
+    and dtypes unchanged): the flat step then updates them in place instead of gathering and
+    scattering them (``functional.FloatStateStep``)."""
+    groups: dict[tuple, list[dict]] = {}
+    for state_dict in state_dicts:
+        for key in MOMENT_KEYS:
+            moment = state_dict.get(key)
+            if type(moment) is torch.Tensor and moment.numel() < backends.FLAT_FLOAT_STATE_BELOW:
+                groups.setdefault((key, moment.dtype, moment.device), []).append(state_dict)
+    for (key, _, _), group in groups.items():
+        moments = [state_dict[key] for state_dict in group]
+        if len(moments) < 2 or consecutive_views(moments) is not None:
+            continue
+        flat = torch.cat([moment.reshape(-1) for moment in moments])
+        pieces = flat.split([moment.numel() for moment in moments])
+        for state_dict, piece, moment in zip(group, pieces, moments):
+            state_dict[key] = piece.view(moment.shape)
 
 
 def _value_ids(state_dicts: list[dict]) -> list[int]:
@@ -59,9 +87,17 @@ class GroupPlan:
         self.dtypes = [*map(_DTYPE, self.with_grad)]
         self.shapes = [*map(_SHAPE, self.with_grad)]
         self.state_dicts = [state[param] for param in self.with_grad]
+        # The step counts become 0-d views of one tensor, so one add advances them all: a
+        # foreach add over separate 0-d CPU tensors is a loop of dispatcher calls, ~1.6 us per
+        # parameter (benchmarks/bench_host_overhead.py). Their values and dtype stay as they were.
+        self.step_counts = None
+        if self.state_dicts:
+            self.step_counts = torch.stack([state_dict["step"] for state_dict in self.state_dicts])
+            for state_dict, count in zip(self.state_dicts, self.step_counts):
+                state_dict["step"] = count
+            self.expected_steps = self.step_counts.clone()
+        _flatten_float_moments(self.state_dicts)
         self.value_ids = _value_ids(self.state_dicts)
-        self.steps = [state_dict["step"] for state_dict in self.state_dicts]
-        self.expected_steps = torch.stack(self.steps) if self.steps else None
         self.has_dtensor = any(map(distributed.is_dtensor, self.with_grad))
         local = distributed.local  # FSDP2: each rank steps its own shards
         entries = [
@@ -98,15 +134,14 @@ class GroupPlan:
         return grads
 
     def steps_unchanged(self) -> bool:
-        """Whether the step counts are where this plan's last step left them."""
-        return self.expected_steps is None or torch.equal(torch.stack(self.steps), self.expected_steps)
+        """Whether the step counts are where this plan's last step left them (one changed in
+        place may no longer share its kind's)."""
+        return self.step_counts is None or torch.equal(self.step_counts, self.expected_steps)
 
     def step(self, grads: list[torch.Tensor], **options) -> None:
         """Advance the step counts and step every parameter (``backends.AdamWPlan.run``)."""
-        if not self.steps:
+        if self.step_counts is None:
             return
-        # One call for the group's step counts, as torch.optim does: a Python `+= 1` on each
-        # 0-d tensor cost ~3 us per parameter per step (benchmarks/bench_host_overhead.py).
-        torch._foreach_add_(self.steps, 1.0)
+        self.step_counts += 1
         self.expected_steps += 1
         self.adamw.run(grads, **options)

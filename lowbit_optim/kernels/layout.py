@@ -45,6 +45,7 @@ class Layout:
     program_param: torch.Tensor
     num_programs: int
     aligned: bool
+    host_table: torch.Tensor | None = None  # the table on the host (``with_column`` edits a copy)
 
 
 _CACHE: OrderedDict = OrderedDict()
@@ -126,7 +127,7 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
         layout = build_layout(address, element_sizes, numels, block_size, rows, device)
         if aligned and not layout.aligned:
             raise ValueError("tensors are not aligned as an aligned launch needs (see split_aligned)")
-        layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned)
+        layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned, layout.host_table)
         _CACHE[key] = layout
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -157,7 +158,26 @@ def build_layout(address: torch.Tensor, element_sizes: list[int], numels: list[i
     table[:, NUMEL] = numel
     table[:, FIRST_PROGRAM] = torch.cumsum(programs, 0) - programs
     program_param = torch.repeat_interleave(torch.arange(num_params, dtype=torch.int32), programs)
-    return Layout(_to_device(table, device), _to_device(program_param, device), int(programs.sum()), aligned)
+    return Layout(_to_device(table, device), _to_device(program_param, device), int(programs.sum()), aligned,
+                  table)
+
+
+def with_column(layout: Layout, column: int, address: torch.Tensor, element_size: int) -> Layout | None:
+    """``layout`` with one list's tensors at new addresses (int64, one per row, the list's base
+    first): the gradients of a step after ``zero_grad(set_to_none=True)``. A few tensor
+    operations and one small copy to the device; the program map is reused. ``None`` if they
+    do not fit the layout's kind of launch (not 16-byte aligned and 16 elements apart for an
+    aligned one)."""
+    delta = address - address[0]
+    if bool((delta % element_size).any()):
+        return None
+    offsets = delta // element_size
+    if layout.aligned and not (int(address[0]) % 16 == 0 and not bool((offsets % ALIGNMENT_ELEMENTS).any())):
+        return None
+    table = layout.host_table.clone()
+    table[:, column] = offsets
+    return Layout(_to_device(table, layout.table.device), layout.program_param, layout.num_programs,
+                  layout.aligned, table)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

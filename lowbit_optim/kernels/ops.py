@@ -173,7 +173,7 @@ class StepGroupPlan:
                                                    (lr, beta1, beta2, eps, weight_decay))]
         for index, kind in enumerate(self.kinds):
             kind_grads = grads if kind.indices is None else [grads[i] for i in kind.indices]
-            if not all(grad.is_contiguous() for grad in kind_grads):
+            if not all(map(Tensor.is_contiguous, kind_grads)):
                 kind_grads = [grad.contiguous() for grad in kind_grads]
             step = _host_float("step", kind.step)
             if stochastic_round and kind.work[0].dtype == torch.bfloat16:

@@ -37,7 +37,8 @@ class _Launch:
         # would keep a freed gradient's memory alive).
         self.bases = [bases[0], None, *bases[2:]]
         self.first_param, self.first_start = int(piece_param[0]), int(piece_start[0])
-        self.address = address  # int64 (8, pieces): the addresses the current layout was built for
+        self.address = address  # int64 (8, pieces): every piece's tensors' addresses when planned
+        self.grad_address: torch.Tensor | None = None  # the gradients' the layout has
         self.piece_param = piece_param  # int64: which gradient of the kind each piece reads
         self.piece_start = piece_start  # int64: the element of that gradient the piece starts at
         self.numels = numels
@@ -88,22 +89,28 @@ class KindPlan:
     def _prepare(self, grads: list[torch.Tensor]) -> bool:
         """Bring every launch's layout up to date with ``grads``; ``False`` (nothing changed)
         if they no longer fit an aligned launch."""
-        grad_address = torch.tensor([grad.data_ptr() for grad in grads], dtype=torch.int64)
+        grad_address = torch.tensor([*map(torch.Tensor.data_ptr, grads)], dtype=torch.int64)
         updates = []
         for launch in self.launches:
             piece_address = grad_address[launch.piece_param] + launch.piece_start * self.grad_element_size
-            if launch.layout is not None and torch.equal(piece_address, launch.address[GRAD_ROW]):
+            if launch.layout is not None and torch.equal(piece_address, launch.grad_address):
                 continue
-            address = launch.address.clone()
-            address[GRAD_ROW] = piece_address
-            layout = layouts.build_layout(address, launch.element_sizes, launch.numels, self.block_size,
-                                          self.rows, self.device)
-            if launch.aligned and not layout.aligned:
-                return False
-            updates.append((launch, address, layouts.Layout(layout.table, layout.program_param,
-                                                            layout.num_programs, launch.aligned)))
-        for launch, address, layout in updates:
-            launch.address, launch.layout = address, layout
+            if launch.layout is None:
+                address = launch.address.clone()
+                address[GRAD_ROW] = piece_address
+                layout = layouts.build_layout(address, launch.element_sizes, launch.numels, self.block_size,
+                                              self.rows, self.device)
+                layout = layouts.Layout(layout.table, layout.program_param, layout.num_programs,
+                                        launch.aligned, layout.host_table)
+                if launch.aligned and not layout.aligned:
+                    return False
+            else:
+                layout = layouts.with_column(launch.layout, GRAD_ROW, piece_address, self.grad_element_size)
+                if layout is None:
+                    return False
+            updates.append((launch, piece_address, layout))
+        for launch, piece_address, layout in updates:
+            launch.grad_address, launch.layout = piece_address, layout
         return True
 
     def run(self, grads: list[torch.Tensor], scalars: dict, *, maximize: bool, stochastic_round: bool,
