@@ -17,13 +17,13 @@ parameters, gradients and codes with 128-bit accesses) or not; ``split_aligned``
 group's parameters into the two, so one odd tensor does not slow the rest of its group.
 
 Offsets from a base pointer, rather than raw addresses, keep every pointer typed, so one
-kernel serves every parameter dtype without casting integers to pointers. Building a layout
-copies it to the device, so layouts are cached by the tensors' addresses and sizes: while
-they stay where they are (parameters and states always do; gradients do when they are kept
-between steps or the caching allocator hands back the same blocks), a step launches
-without any host-to-device copy. The cache key includes the lists' dtypes: the same
-addresses with other element sizes give other offsets. A new table is built with tensor
-operations and copied from pinned memory without blocking the host.
+kernel serves every parameter dtype without casting integers to pointers. A table is built
+with tensor operations and copied to the device from pinned memory without blocking the
+host. The optimizer keeps each launch's layout with its step plan (``kernels.plan``) and,
+when only the gradients moved, replaces their column (``with_column``: the program map is
+reused). Direct calls of ``adamw_lowbit.launch`` (the custom op) go through ``get_layout``,
+which caches layouts by the tensors' addresses, sizes and dtypes (the same addresses with
+other element sizes give other offsets).
 """
 
 from collections import OrderedDict

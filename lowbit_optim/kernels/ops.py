@@ -7,10 +7,11 @@ tracing into Triton's launcher. Hyperparameters are 0-d CPU tensors, read on the
 ``.item()`` (no device sync: they never left the CPU) and passed to the kernel as runtime
 scalars, so a schedule neither recompiles anything nor copies anything to the device.
 
-``step_group`` is what ``LowBitAdamW`` calls with every quantized parameter of a param
-group: it sorts them into kinds (formats, block size, dtypes, device, step count, amsgrad)
-and makes one launch per kind, so the number of launches does not grow with the number of
-parameters.
+``step_group`` steps the quantized parameters of a param group: it sorts them into kinds
+(formats, block size, dtypes, device, step count, amsgrad) and makes one launch per kind, so
+the number of launches does not grow with the number of parameters. ``StepGroupPlan`` is the
+same with the sorting, the launches' split and their layouts worked out once: what
+``LowBitAdamW`` keeps between steps (``lowbit_optim.step_plan``).
 """
 
 from typing import NamedTuple
