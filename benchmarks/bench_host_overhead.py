@@ -1,21 +1,27 @@
 """Host cost of the Triton path's step, measured on CPU with the kernel launch stubbed.
 
 A GPU step's wall time is the kernel's plus the Python around it; on a model with hundreds of
-parameters the Python was the larger part (issue 17: ~25 us per quantized parameter, 15 ms
-per step for 562 parameters). Here every host-side piece runs for real (grouping into kinds,
-argument checks, the custom op, the layout table and its cache, the float-state step of the
-small parameters) and only ``_adamw_lowbit_kernel[grid](...)`` is replaced by a counter, so
-the figures hold without a GPU:
+parameters the Python was the larger part (issue 17: ~13-25 us per parameter, 15 ms per step
+for 562 parameters). Here every host-side piece runs for real (the group's plan and its
+checks, ``lowbit_optim.step_plan``; the float-state step of the small parameters; each kind's
+launches and layout table, ``lowbit_optim.kernels.plan``) and only
+``_adamw_lowbit_kernel[grid](...)`` is replaced by a counter, so the figures hold without a
+GPU:
 
-* host microseconds per quantized parameter per step, with gradients kept between steps
-  (the layout cache hits) and with ``zero_grad(set_to_none=True)`` and new gradients every
-  step (a new layout every step);
-* kernel launches per step for the quantized parameters;
+* host microseconds per parameter per step (all parameters counted, quantized or not), with
+  gradients kept between steps and with ``zero_grad(set_to_none=True)`` and new gradients at
+  new addresses every step; median and minimum over the steps (the minimum is the cost
+  without interference from other processes, the median what a shared machine gives);
+* kernel launches, layout tables copied to the device and group plans built per step;
 * tensor ops of the small (float-state) parameters' step, for 10 and for 100 of them
   (profiler; views and the CPU fallback of ``_foreach_copy_`` aside): constant means O(1)
   launches on a GPU.
 
-    python benchmarks/bench_host_overhead.py [--params 562] [--steps 20]
+Runs at one thread (``--threads``): the host cost is single-threaded Python, and the small
+parameters' few real CPU ops would otherwise measure OpenMP's thread wake-ups on a busy
+machine. Those ops (~30 over ~10k elements) are in the figures: on a GPU they are launches.
+
+    python benchmarks/bench_host_overhead.py [--params 562] [--steps 50] [--threads 1]
 
 Prints a markdown table and writes JSON rows. Target: <= 3 us per parameter per step.
 """
@@ -34,6 +40,7 @@ import torch  # noqa: E402
 from lowbit_optim import AdamW4bit, AdamW8bit  # noqa: E402
 from lowbit_optim.bench import harness  # noqa: E402
 from lowbit_optim.kernels import adamw_lowbit  # noqa: E402
+from lowbit_optim.kernels import layout as layouts  # noqa: E402
 
 OPTIMIZERS = {"lowbit_triton_8bit": AdamW8bit, "lowbit_triton_4bit": AdamW4bit}
 
@@ -72,27 +79,38 @@ def host_us_per_param(name: str, count: int, steps: int, *, new_grads: bool) -> 
     for param, grad in zip(params, grads):
         param.grad = grad
     stub = StubbedKernel()
+    copies = []
+    real_to_device = layouts._to_device
     real_kernel, adamw_lowbit._adamw_lowbit_kernel = adamw_lowbit._adamw_lowbit_kernel, stub
+    layouts._to_device = lambda *args: copies.append(1) or real_to_device(*args)
     try:
-        optimizer.step()  # state creation, first layout
-        seconds = []
+        optimizer.step()  # state creation, the group's plan, first layout
+        seconds, held = [], []
+        plans = optimizer._plans[0]
         for _ in range(steps):
             if new_grads:
                 optimizer.zero_grad(set_to_none=True)
                 for param, grad in zip(params, grads):
-                    param.grad = grad.clone()  # new storage: the layout cache misses
+                    param.grad = grad.clone()
+                # The previous gradients stay alive, so the new ones are at new addresses.
+                held = [p.grad for p in params] + held[:count]
             stub.launches = 0
+            copies.clear()
             start = time.perf_counter()
             optimizer.step()
             seconds.append(time.perf_counter() - start)
+        replanned = optimizer._plans[0] is not plans
     finally:
         adamw_lowbit._adamw_lowbit_kernel = real_kernel
+        layouts._to_device = real_to_device
     step_ms = harness.median_ms(seconds)
     return {
         "optimizer": name, "params": count, "quantized_params": quantized,
-        "gradients": "new each step (layout rebuilt)" if new_grads else "kept (layout cached)",
+        "gradients": "new each step (new addresses)" if new_grads else "kept",
         "step_ms": step_ms, "us_per_param": 1e3 * step_ms / count,
-        "launches_per_step": stub.launches,
+        "min_us_per_param": 1e6 * min(seconds) / count,
+        "launches_per_step": stub.launches, "tables_copied_per_step": len(copies),
+        "replanned": replanned,
     }
 
 
@@ -121,21 +139,27 @@ COLUMNS = [
     harness.Column("optimizer", "optimizer"),
     harness.Column("params (quantized)", "label"),
     harness.Column("gradients", "gradients"),
-    harness.Column("host ms/step", "step_ms", "{:.2f}"),
-    harness.Column("host us/param", "us_per_param", "{:.2f}"),
+    harness.Column("host ms/step (median)", "step_ms", "{:.2f}"),
+    harness.Column("host us/param (median)", "us_per_param", "{:.2f}"),
+    harness.Column("host us/param (min)", "min_us_per_param", "{:.2f}"),
     harness.Column("launches/step", "launches_per_step"),
+    harness.Column("tables copied/step", "tables_copied_per_step"),
+    harness.Column("plan rebuilt", "replanned"),
 ]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=562, help="parameters in the model (default 562)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see above)")
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path("bench_out/bench_host_overhead.json"))
     args = parser.parse_args(argv)
-    if args.params < 1 or args.steps < 1:
-        parser.error(f"--params and --steps must be >= 1, got {args.params} and {args.steps}")
+    if min(args.params, args.steps, args.threads) < 1:
+        parser.error(f"--params, --steps and --threads must be >= 1, got {args.params}, {args.steps} "
+                     f"and {args.threads}")
+    torch.set_num_threads(args.threads)
     rows = []
     for name in OPTIMIZERS:
         for new_grads in (False, True):

@@ -22,12 +22,7 @@ import torch.fx.experimental._config as fx_config
 
 from lowbit_optim.factored import run_factored_step
 from lowbit_optim.factored_state import FactoredState
-from lowbit_optim.functional import (
-    StepScalars,
-    StoredMoment,
-    float_state_adamw_step,
-    quantized_adamw_step,
-)
+from lowbit_optim.functional import FloatStateStep, StepScalars, StoredMoment, quantized_adamw_step
 from lowbit_optim.state import QuantizedState
 
 BACKENDS = ("compile", "eager", "triton")
@@ -95,55 +90,95 @@ def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, be
     (``decoupled_weight_decay=False``: ``torch.optim.Adam``'s L2 weight decay instead).
 
     Hyperparameters are 0-d CPU tensors (``hyperparams.GroupScalars``). Each parameter goes to
-    the implementation its state needs: float moments to ``float_state_adamw_step`` (small
+    the implementation its state needs: float moments to ``FloatStateStep`` (small
     ones together, a fixed number of kernels for any number of them); quantized ones one by
     one to the compiled (or eager) step, or, with ``backend="triton"``, all together to the
     Triton kernel (one launch per kind), except float64 parameters, which the kernel does not
     take and the compiled step does. ``rounding_stream``: see ``kernels.step_group``.
+    ``AdamWPlan`` is the same step with the dispatch worked out once.
     """
-    grouped, float_state = [], {}
-    for entry in entries:
-        if not isinstance(entry.exp_avg, QuantizedState):
-            # Small ones share one flat step per (device, dtype, step count, amsgrad); a big
-            # one (min_quant_size raised) steps alone rather than be copied into the flat one.
-            if entry.param.numel() < FLAT_FLOAT_STATE_BELOW:
-                key = (entry.param.device, entry.param.dtype, float(entry.step),
-                       entry.max_exp_avg_sq is not None)
+    AdamWPlan(entries, backend).run(
+        [entry.grad for entry in entries], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round, scratch=scratch,
+        rounding_stream=rounding_stream, decoupled_weight_decay=decoupled_weight_decay)
+
+
+class AdamWPlan:
+    """``adamw``'s dispatch for a fixed list of parameters and states, worked out once.
+
+    Built from the entries (with their current gradients, which decide only how the Triton
+    kernel's launches split); ``run`` steps them with the gradients given, one per entry,
+    in order. Holds no gradient, so ``zero_grad(set_to_none=True)`` frees them. The optimizer
+    keeps one per param group while nothing it was built from changes (``step_plan``).
+    """
+
+    def __init__(self, entries: list[ParamStep], backend: str):
+        self.backend = backend
+        triton_entries, float_state = [], {}
+        self.quantized: list[tuple[int, ParamStep]] = []  # stepped one by one
+        self.factored: list[tuple[int, ParamStep]] = []  # one by one, compiled (or eager)
+        for index, entry in enumerate(entries):
+            if not isinstance(entry.exp_avg, QuantizedState):
+                # Small ones share one flat step per (device, dtype, step count, amsgrad); a big
+                # one (min_quant_size raised) steps alone rather than be copied into the flat one.
+                if entry.param.numel() < FLAT_FLOAT_STATE_BELOW:
+                    key = (entry.param.device, entry.param.dtype, float(entry.step),
+                           entry.max_exp_avg_sq is not None)
+                else:
+                    key = id(entry.param)
+                float_state.setdefault(key, []).append(index)
+            elif isinstance(entry.exp_avg_sq, FactoredState):
+                self.factored.append((index, entry._replace(grad=None)))
+            elif backend == "triton" and entry.param.dtype != torch.float64:
+                triton_entries.append(index)
             else:
-                key = id(entry.param)
-            float_state.setdefault(key, []).append(entry)
-        elif isinstance(entry.exp_avg_sq, FactoredState):
+                self.quantized.append((index, entry._replace(grad=None)))
+        self.float_state = []
+        for indices in float_state.values():
+            group = [entries[i] for i in indices]
+            amsgrad = group[0].max_exp_avg_sq is not None
+            self.float_state.append((indices, group[0].step, FloatStateStep(
+                [e.param for e in group], [e.exp_avg for e in group], [e.exp_avg_sq for e in group],
+                [e.max_exp_avg_sq for e in group] if amsgrad else None)))
+        self.triton_indices = triton_entries
+        self.triton = None
+        if triton_entries:
+            from lowbit_optim import kernels  # imports Triton: only when the backend is in use
+
+            self.triton = kernels.StepGroupPlan([entries[i] for i in triton_entries])
+
+    def run(self, grads: list[torch.Tensor], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
+            eps: torch.Tensor, weight_decay: torch.Tensor, maximize: bool, stochastic_round: bool,
+            scratch: "TailScratch", rounding_stream: int | None = None,
+            decoupled_weight_decay: bool = True) -> None:
+        """``adamw``'s step (see there) with ``grads``, one per entry the plan was built from."""
+        for index, entry in self.factored:
             # The Triton kernel has no factored variant: these go through the compiled step.
             run_factored_step(
-                "eager" if backend == "eager" else "compile", entry,
+                "eager" if self.backend == "eager" else "compile", entry._replace(grad=grads[index]),
                 StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
                 maximize=maximize, stochastic_round=stochastic_round,
                 decoupled_weight_decay=decoupled_weight_decay,
             )
-        elif backend == "triton" and entry.param.dtype != torch.float64:
-            grouped.append(entry)
-        else:
+        for index, entry in self.quantized:
             run_quantized_step(
-                "compile" if backend == "triton" else backend, entry,
+                "compile" if self.backend == "triton" else self.backend, entry._replace(grad=grads[index]),
                 StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
                 maximize=maximize, stochastic_round=stochastic_round,
                 decoupled_weight_decay=decoupled_weight_decay,
             )
-    for group in float_state.values():
-        amsgrad = group[0].max_exp_avg_sq is not None
-        float_state_adamw_step(
-            [e.param for e in group], [e.grad for e in group], [e.exp_avg for e in group],
-            [e.exp_avg_sq for e in group], [e.max_exp_avg_sq for e in group] if amsgrad else None,
-            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            step=group[0].step, maximize=maximize, stochastic_round=stochastic_round,
-            decoupled_weight_decay=decoupled_weight_decay,
-        )
-    if grouped:
-        from lowbit_optim import kernels  # imports Triton: only when the backend is in use
-
-        kernels.step_group(grouped, lr, beta1, beta2, eps, weight_decay, maximize=maximize,
-                           stochastic_round=stochastic_round, rounding_stream=rounding_stream,
-                           decoupled_weight_decay=decoupled_weight_decay)
+        for indices, step, float_state in self.float_state:
+            float_state.step(
+                [grads[i] for i in indices], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, step=step, maximize=maximize, stochastic_round=stochastic_round,
+                decoupled_weight_decay=decoupled_weight_decay,
+            )
+        if self.triton is not None:
+            triton_grads = grads if len(self.triton_indices) == len(grads) else [
+                grads[i] for i in self.triton_indices]
+            self.triton.run(triton_grads, lr, beta1, beta2, eps, weight_decay, maximize=maximize,
+                            stochastic_round=stochastic_round, rounding_stream=rounding_stream,
+                            decoupled_weight_decay=decoupled_weight_decay)
 
 
 def _with_own_code_object(fn, name: str):

@@ -18,6 +18,7 @@ from lowbit_optim.functional import compute_dtype
 from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
 from lowbit_optim.quant.formats import QuantFormat
 from lowbit_optim.state import MOMENT_KEYS
+from lowbit_optim.step_plan import GroupPlan
 
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
@@ -58,6 +59,7 @@ class LowBitAdamW(Optimizer):
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
         self._group_scalars: list[GroupScalars] = []
         self._tail_scratch = backends.TailScratch()
+        self._plans: list[GroupPlan | None] = []  # per param group (step_plan)
 
     def _devices(self) -> list[torch.device]:
         return [p.device for group in self.param_groups for p in group["params"]]
@@ -173,32 +175,31 @@ class LowBitAdamW(Optimizer):
                                               memory_format=torch.preserve_format)
 
     # --- the step -----------------------------------------------------------------------
-    def _check_grads(self) -> None:
-        """Refuse bad gradients before any parameter or state is touched."""
-        for group in self.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients "
-                        f"(parameter of shape {tuple(param.shape)})"
-                    )
-                if grad.shape != param.shape:
-                    raise RuntimeError(
-                        f"gradient of shape {tuple(grad.shape)} does not match its parameter "
-                        f"of shape {tuple(param.shape)}"
-                    )
-                if grad.dtype != param.dtype:
-                    # torch refuses such an assignment (p.grad = g) with "the gradient must
-                    # match the tensor's grad_dtype" and its AdamW fails on one set through
-                    # .data; refused here before anything changes, in the same words.
-                    raise RuntimeError(
-                        f"{type(self).__name__}: a gradient with dtype {grad.dtype} for a "
-                        f"parameter of dtype {param.dtype} (shape {tuple(param.shape)}): the "
-                        "gradient must match its parameter's dtype"
-                    )
+    def _check_grads(self, group: dict) -> None:
+        """Refuse a bad gradient of ``group`` (called before any parameter or state is touched)."""
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients "
+                    f"(parameter of shape {tuple(param.shape)})"
+                )
+            if grad.shape != param.shape:
+                raise RuntimeError(
+                    f"gradient of shape {tuple(grad.shape)} does not match its parameter "
+                    f"of shape {tuple(param.shape)}"
+                )
+            if grad.dtype != param.dtype:
+                # torch refuses such an assignment (p.grad = g) with "the gradient must
+                # match the tensor's grad_dtype" and its AdamW fails on one set through
+                # .data; refused here before anything changes, in the same words.
+                raise RuntimeError(
+                    f"{type(self).__name__}: a gradient with dtype {grad.dtype} for a "
+                    f"parameter of dtype {param.dtype} (shape {tuple(param.shape)}): the "
+                    "gradient must match its parameter's dtype"
+                )
 
     def _refuse_graph_capture(self) -> None:
         """A CUDA graph would replay this step with the LR, bias corrections and rounding
@@ -240,41 +241,40 @@ class LowBitAdamW(Optimizer):
     )
     def _step(self) -> None:
         self._refuse_graph_capture()
-        self._check_grads()
+        while len(self._plans) < len(self.param_groups):
+            self._plans.append(None)
+        # Every group's gradients are checked before anything changes: through its plan's
+        # comparisons when it has one that still holds, else one by one (step_plan).
+        gradients = []
+        for index, group in enumerate(self.param_groups):
+            plan = self._plans[index]
+            grads = None if plan is None else plan.gradients(group["params"], self.state, self.backend)
+            if grads is None:
+                self._check_grads(group)
+            gradients.append(grads)
         scalars = [self._scalars(i) for i in range(len(self.param_groups))]
         for group_scalars, group in zip(scalars, self.param_groups):
             group_scalars.refresh(group)
-        for index, (group, group_scalars) in enumerate(zip(self.param_groups, scalars)):
-            backends.adamw(
-                self._init_group(group),
-                lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
+        for index, (group, group_scalars, grads) in enumerate(zip(self.param_groups, scalars, gradients)):
+            plan = self._plans[index]
+            if grads is None or not plan.steps_unchanged():
+                plan = self._plans[index] = self._init_group(group)
+                grads = plan.gradients(group["params"], self.state, self.backend)
+            plan.step(
+                grads, lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
                 eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
                 maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
-                backend=self.backend, scratch=self._tail_scratch,
-                rounding_stream=(distributed.rank() << 16) | index,
+                scratch=self._tail_scratch, rounding_stream=(distributed.rank() << 16) | index,
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )
 
-    def _init_group(self, group: dict) -> list[backends.ParamStep]:
+    def _init_group(self, group: dict) -> GroupPlan:
         """The group's parameters that have a gradient, with their state (created on first
-        use) and step count advanced; FSDP2 DTensors as this rank's local shards."""
-        with_grad = []
+        use), planned for this and later steps (``step_plan``); FSDP2 DTensors as this rank's
+        local shards."""
         for param in group["params"]:
-            if param.grad is None:
-                continue
-            state = self.state[param]
-            if not state:
-                self._init_state(param, group, state)
-            with_grad.append((param, state))
-        if not with_grad:
-            return []
-        # One call for the group's step counts, as torch.optim does: a Python `+= 1` on each
-        # 0-d tensor cost ~3 us per parameter per step (benchmarks/bench_host_overhead.py).
-        torch._foreach_add_([state["step"] for _, state in with_grad], 1.0)
-        local = distributed.local  # FSDP2: each rank steps its own shards
-        return [
-            backends.ParamStep(local(param), local(param.grad), local(state["exp_avg"]),
-                               local(state["exp_avg_sq"]), local(state.get("max_exp_avg_sq")),
-                               state["step"])
-            for param, state in with_grad
-        ]
+            if param.grad is not None:
+                state = self.state[param]
+                if not state:
+                    self._init_state(param, group, state)
+        return GroupPlan(group["params"], self.state, self.backend)

@@ -35,8 +35,10 @@ def tensor_ops_in_step(optimizer) -> collections.Counter:
 
 def test_many_small_parameters_cost_a_fixed_number_of_ops():
     """One by one, each small parameter cost ~40 ops (~25 launches on a GPU); together, the
-    tensor ops of a step are the same for 10 and for 60 of them, and they are written back
-    with three multi-tensor copies (exp_avg, exp_avg_sq, the parameters)."""
+    tensor ops of a step are the same for 10 and for 60 of them: two multi-tensor copies
+    gather parameters and gradients into flat buffers kept between steps, one writes the
+    parameters back, and the moments (laid out as views of one tensor each) are updated in
+    place."""
     counts = {}
     for count in (10, 60):
         params = small_params(count)
@@ -82,7 +84,8 @@ def test_small_parameters_stepped_together_equal_the_reference_one_by_one(cls, a
 
 def test_a_big_float_state_parameter_is_not_copied_into_the_flat_step(monkeypatch):
     """With ``min_quant_size`` raised, a big parameter keeps float moments; it steps alone
-    (no parameter-sized ``cat``), while the small ones beside it still share one step."""
+    (nothing parameter-sized is gathered or concatenated), while the small ones beside it
+    still share one step."""
     monkeypatch.setattr(backends, "FLAT_FLOAT_STATE_BELOW", 1000)
     big = torch.nn.Parameter(torch.randn(5000))
     params = [big, *small_params(4)]
@@ -92,6 +95,11 @@ def test_a_big_float_state_parameter_is_not_copied_into_the_flat_step(monkeypatc
     optimizer.step()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         optimizer.step()
-    cats = [event.input_shapes for event in prof.events() if event.name == "aten::cat"]
-    assert cats, "the small parameters are concatenated"
-    assert all(5000 not in [shape[0] for shape in shapes[0] if shape] for shapes in cats), cats
+    names = [event.name for event in prof.events()]
+    assert "aten::_foreach_copy_" in names and "aten::cat" not in names, "the small ones are gathered"
+    # Parameter-sized copies (not inside another op, as masked_fill's clone is): only the
+    # results written into the parameter and its two moments.
+    big_copies = [event for event in prof.events()
+                  if event.name == "aten::copy_" and event.input_shapes[:1] == [[5000]]
+                  and not (event.cpu_parent and event.cpu_parent.name.startswith("aten::"))]
+    assert len(big_copies) == 3, [event.input_shapes for event in big_copies]

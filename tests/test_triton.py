@@ -315,12 +315,14 @@ def test_misaligned_tensor_launches_alone(kind, launches):
 def test_odd_size_splits_off_its_last_block(kind, launches, monkeypatch):
     """An aligned parameter of 4097 elements: its whole blocks take the aligned launch and only
     its last, partial block the unaligned one."""
+    from lowbit_optim.kernels import layout as layouts
+
     seen = []
     real = adamw_lowbit._launch_one
 
-    def record(lists, numels, aligned, *args):
-        seen.append((aligned, list(numels)))
-        return real(lists, numels, aligned, *args)
+    def record(bases, layout, *args):
+        seen.append((layout.aligned, layout.table[:, layouts.NUMEL].tolist()))
+        return real(bases, layout, *args)
 
     monkeypatch.setattr(adamw_lowbit, "_launch_one", record)
     param, states = make_case(4097, kind, torch.float32)

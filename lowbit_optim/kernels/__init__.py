@@ -7,6 +7,7 @@ imported to run the kernels on CPU tensors (Triton reads it when a kernel is def
 """
 
 from lowbit_optim.kernels.adamw_lowbit import is_interpreted, launch
-from lowbit_optim.kernels.ops import adamw_lowbit_step, step_group, stochastic_round_seed
+from lowbit_optim.kernels.ops import StepGroupPlan, adamw_lowbit_step, step_group, stochastic_round_seed
 
-__all__ = ["adamw_lowbit_step", "is_interpreted", "launch", "step_group", "stochastic_round_seed"]
+__all__ = ["StepGroupPlan", "adamw_lowbit_step", "is_interpreted", "launch", "step_group",
+           "stochastic_round_seed"]

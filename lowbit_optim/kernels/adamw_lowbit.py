@@ -465,19 +465,8 @@ def host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay
     )
 
 
-def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[tuple],
-           exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, scalars: dict[str, float | bool],
-           *, exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
-           maximize: bool, stochastic_round: bool, seed: int) -> None:
-    """Update params and moments in place: one launch for the parameters whose tensors are
-    aligned (``layout.split_aligned``), one for the rest, where there are any.
-
-    ``params``/``grads`` are contiguous tensors of one dtype each; each moment is a list of
-    ``(codes, scales)`` pairs laid out as in ``QuantizedState``; ``scalars`` comes from
-    ``host_scalars``.
-    """
-    if not params:
-        return
+def check_launch_lists(params: list[torch.Tensor], grads: list[torch.Tensor], block_size: int) -> None:
+    """What every launch needs of its parameters and gradients, refused with the reason."""
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two block_size (got {block_size}): "
                          "tl.arange spans half a block")
@@ -492,24 +481,53 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
             raise ValueError(f"{name} must be contiguous tensors of one dtype on {device}")
     if any(p.numel() >= 2**31 for p in params):
         raise ValueError("a parameter of 2**31 elements or more: the kernel indexes within a tensor in int32")
-    amsgrad = max_exp_avg_sq is not None
+
+
+def rows_per_program(device: torch.device, block_size: int) -> int:
     tile = INTERPRETER_TILE_ELEMENTS if device.type == "cpu" else GPU_TILE_ELEMENTS
-    rows = max(1, tile // block_size)
-    moments = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg_sq]
-    # The layout and the kernel address every tensor by its data pointer as a flat array, so
-    # contiguous tensors of any shape serve as they are (no view per tensor per step).
-    tensor_lists = [list(params), list(grads)]
-    tensor_lists += [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
-    tensor_lists = layouts.split_tails(tensor_lists, block_size)
+    return max(1, tile // block_size)
+
+
+def tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq) -> list[list[torch.Tensor]]:
+    """The kernel's eight tensor lists (without amsgrad the max lists repeat exp_avg_sq's, which
+    the kernel then never reads). The layout and the kernel address every tensor by its data
+    pointer as a flat array, so contiguous tensors of any shape serve as they are."""
+    moments = [exp_avg, exp_avg_sq, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq]
+    return [list(params), list(grads)] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
+
+
+def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[tuple],
+           exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, scalars: dict[str, float | bool],
+           *, exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
+           maximize: bool, stochastic_round: bool, seed: int) -> None:
+    """Update params and moments in place: one launch for the parameters whose tensors are
+    aligned (``layout.split_aligned``), one for the rest, where there are any.
+
+    ``params``/``grads`` are contiguous tensors of one dtype each; each moment is a list of
+    ``(codes, scales)`` pairs laid out as in ``QuantizedState``; ``scalars`` comes from
+    ``host_scalars``. Works everything out on every call, with layouts cached by address
+    (``layout.get_layout``); the optimizer's steps go through ``kernels.plan.KindPlan``, which
+    works it out once.
+    """
+    if not params:
+        return
+    check_launch_lists(params, grads, block_size)
+    device = params[0].device
+    rows = rows_per_program(device, block_size)
+    tensor_lists, _, _ = layouts.split_tails(
+        tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq), block_size)
     tables = device_tables(exp_avg_format, device) + device_tables(exp_avg_sq_format, device)
     address = layouts.addresses_of(tensor_lists)
+    options = kernel_options(exp_avg_format, exp_avg_sq_format, block_size=block_size, rows=rows,
+                             amsgrad=max_exp_avg_sq is not None, maximize=maximize,
+                             stochastic_round=stochastic_round and params[0].dtype == torch.bfloat16,
+                             interpreted=device.type == "cpu")
     for aligned, indices in layouts.split_aligned(tensor_lists, address):
         lists = [[tensors[i] for i in indices] for tensors in tensor_lists]
         numels = [tensor_lists[0][i].numel() for i in indices]
-        with device_guard(device):
-            _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
-                        stochastic_round and params[0].dtype == torch.bfloat16, seed, exp_avg_format,
-                        exp_avg_sq_format, device, address[:, indices])
+        layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned,
+                                    address=address[:, indices])
+        _launch_one([tensors[0] for tensors in lists], layout, tables, scalars, seed, options)
 
 
 def device_guard(device: torch.device):
@@ -517,17 +535,29 @@ def device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch_one(lists, numels, aligned, tables, scalars, block_size, rows, amsgrad, maximize,
-                stochastic_round, seed, exp_avg_format, exp_avg_sq_format, device, address) -> None:
-    layout = layouts.get_layout(lists, numels, block_size, rows, device, aligned=aligned, address=address)
-    _adamw_lowbit_kernel[(layout.num_programs,)](
-        *[tensors[0] for tensors in lists], layout.table, layout.program_param, *tables,
-        scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
-        scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"], seed,
+def kernel_options(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, *, block_size: int,
+                   rows: int, amsgrad: bool, maximize: bool, stochastic_round: bool,
+                   interpreted: bool) -> dict:
+    """The kernel's compile-time options for one kind (``ALIGNED`` and the register cap are
+    per launch: ``_launch_one`` adds them)."""
+    return dict(
         BLOCK_SIZE=block_size, ROWS=rows, LAYOUT_COLUMNS=layouts.LAYOUT_COLUMNS,
         EXP_AVG_BITS=exp_avg_format.bits, EXP_AVG_CODEC=codec_kind(exp_avg_format),
         EXP_AVG_SQ_BITS=exp_avg_sq_format.bits, EXP_AVG_SQ_CODEC=codec_kind(exp_avg_sq_format),
-        AMSGRAD=amsgrad, MAXIMIZE=maximize, L2_DECAY=scalars["l2"],
-        STOCHASTIC_ROUND=stochastic_round, INTERPRETED=device.type == "cpu", ALIGNED=aligned,
-        num_warps=4, enable_fp_fusion=False, maxnreg=MAX_REGISTERS if aligned and not amsgrad else None,
+        AMSGRAD=amsgrad, MAXIMIZE=maximize, STOCHASTIC_ROUND=stochastic_round, INTERPRETED=interpreted,
+        num_warps=4, enable_fp_fusion=False,
     )
+
+
+def _launch_one(bases: list[torch.Tensor], layout: layouts.Layout, tables: tuple, scalars: dict, seed: int,
+                options: dict) -> None:
+    """One launch: ``bases`` are the eight lists' first tensors, which ``layout`` is relative to;
+    ``options`` from ``kernel_options``."""
+    with device_guard(bases[0].device):
+        _adamw_lowbit_kernel[(layout.num_programs,)](
+            *bases, layout.table, layout.program_param, *tables,
+            scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
+            scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"], seed,
+            L2_DECAY=scalars["l2"], ALIGNED=layout.aligned,
+            maxnreg=MAX_REGISTERS if layout.aligned and not options["AMSGRAD"] else None, **options,
+        )

@@ -17,13 +17,13 @@ parameters, gradients and codes with 128-bit accesses) or not; ``split_aligned``
 group's parameters into the two, so one odd tensor does not slow the rest of its group.
 
 Offsets from a base pointer, rather than raw addresses, keep every pointer typed, so one
-kernel serves every parameter dtype without casting integers to pointers. Building a layout
-copies it to the device, so layouts are cached by the tensors' addresses and sizes: while
-they stay where they are (parameters and states always do; gradients do when they are kept
-between steps or the caching allocator hands back the same blocks), a step launches
-without any host-to-device copy. The cache key includes the lists' dtypes: the same
-addresses with other element sizes give other offsets. A new table is built with tensor
-operations and copied from pinned memory without blocking the host.
+kernel serves every parameter dtype without casting integers to pointers. A table is built
+with tensor operations and copied to the device from pinned memory without blocking the
+host. The optimizer keeps each launch's layout with its step plan (``kernels.plan``) and,
+when only the gradients moved, replaces their column (``with_column``: the program map is
+reused). Direct calls of ``adamw_lowbit.launch`` (the custom op) go through ``get_layout``,
+which caches layouts by the tensors' addresses, sizes and dtypes (the same addresses with
+other element sizes give other offsets).
 """
 
 from collections import OrderedDict
@@ -47,6 +47,7 @@ class Layout:
     program_param: torch.Tensor
     num_programs: int
     aligned: bool
+    host_table: torch.Tensor | None = None  # the table on the host (``with_column`` edits a copy)
 
 
 _CACHE: OrderedDict = OrderedDict()
@@ -58,13 +59,20 @@ def addresses_of(tensor_lists: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.tensor([[t.data_ptr() for t in tensors] for tensors in tensor_lists], dtype=torch.int64)
 
 
-def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list[list[torch.Tensor]]:
+def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int
+                ) -> tuple[list[list[torch.Tensor]], list[int], list[int]]:
     """Split a parameter whose tensors are 16-byte aligned but whose size is not a multiple of
     16 into its whole blocks, which can take the aligned launch, and its last, partial block,
-    which takes the unaligned one (a block is never split: its scale is its maximum)."""
+    which takes the unaligned one (a block is never split: its scale is its maximum).
+
+    Returns the lists of pieces and, per piece, the index of its parameter and the element of
+    that parameter it starts at (what ``kernels.plan`` needs to place a new gradient's pieces
+    without making views of it)."""
+    count = len(tensor_lists[0])
     if all(param.numel() % ALIGNMENT_ELEMENTS == 0 for param in tensor_lists[0]):
-        return tensor_lists  # the common case: nothing to split
+        return tensor_lists, list(range(count)), [0] * count  # the common case: nothing to split
     pieces: list[list[torch.Tensor]] = [[] for _ in tensor_lists]
+    piece_param, piece_start = [], []
     for index, param in enumerate(tensor_lists[0]):
         tensors = [tensors[index] for tensors in tensor_lists]
         whole_blocks = param.numel() // block_size
@@ -77,10 +85,14 @@ def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int) -> list
                      for position, t in enumerate(tensors)]
             for piece_list, (head, tail) in zip(pieces, split):
                 piece_list += [head, tail]
+            piece_param += [index, index]
+            piece_start += [0, body]
         else:
             for piece_list, tensor in zip(pieces, tensors):
                 piece_list.append(tensor)
-    return pieces
+            piece_param.append(index)
+            piece_start.append(0)
+    return pieces, piece_param, piece_start
 
 
 def split_aligned(tensor_lists: list[list[torch.Tensor]],
@@ -114,10 +126,10 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
     layout = _CACHE.get(key)
     if layout is None:
         element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
-        layout = _build(address, element_sizes, numels, block_size, rows, device)
-        if aligned and not (layout.aligned and all(n % ALIGNMENT_ELEMENTS == 0 for n in numels)):
+        layout = build_layout(address, element_sizes, numels, block_size, rows, device)
+        if aligned and not layout.aligned:
             raise ValueError("tensors are not aligned as an aligned launch needs (see split_aligned)")
-        layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned)
+        layout = Layout(layout.table, layout.program_param, layout.num_programs, aligned, layout.host_table)
         _CACHE[key] = layout
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -126,17 +138,21 @@ def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_
     return layout
 
 
-def _build(address, element_sizes, numels, block_size, rows, device) -> Layout:
-    """The table and program map, computed with tensor operations (no Python loop per tensor).
-    ``address``: int64 ``(lists, parameters)``."""
+def build_layout(address: torch.Tensor, element_sizes: list[int], numels: list[int], block_size: int,
+                 rows: int, device: torch.device) -> Layout:
+    """The table and program map, computed with tensor operations (no Python loop per tensor),
+    copied to ``device``. ``address``: int64 ``(lists, parameters)``, each list's base first.
+    ``aligned`` says whether they could take the aligned launch (every base 16-byte aligned,
+    every offset and size a multiple of 16 elements)."""
     num_params = len(numels)
     sizes = torch.tensor(element_sizes, dtype=torch.int64)[:, None]
     delta = address - address[:, :1]
     if bool((delta % sizes).any()):
         raise ValueError("tensor addresses are not whole elements apart")
     offsets = delta // sizes
-    aligned = bool((address[:, 0] % 16 == 0).all()) and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
     numel = torch.tensor(numels, dtype=torch.int64)
+    aligned = (bool((address[:, 0] % 16 == 0).all()) and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
+               and bool((numel % ALIGNMENT_ELEMENTS == 0).all()))
     blocks = (numel + block_size - 1) // block_size
     programs = (blocks + rows - 1) // rows
     table = torch.empty(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
@@ -144,7 +160,26 @@ def _build(address, element_sizes, numels, block_size, rows, device) -> Layout:
     table[:, NUMEL] = numel
     table[:, FIRST_PROGRAM] = torch.cumsum(programs, 0) - programs
     program_param = torch.repeat_interleave(torch.arange(num_params, dtype=torch.int32), programs)
-    return Layout(_to_device(table, device), _to_device(program_param, device), int(programs.sum()), aligned)
+    return Layout(_to_device(table, device), _to_device(program_param, device), int(programs.sum()), aligned,
+                  table)
+
+
+def with_column(layout: Layout, column: int, address: torch.Tensor, element_size: int) -> Layout | None:
+    """``layout`` with one list's tensors at new addresses (int64, one per row, the list's base
+    first): the gradients of a step after ``zero_grad(set_to_none=True)``. A few tensor
+    operations and one small copy to the device; the program map is reused. ``None`` if they
+    do not fit the layout's kind of launch (not 16-byte aligned and 16 elements apart for an
+    aligned one)."""
+    delta = address - address[0]
+    if bool((delta % element_size).any()):
+        return None
+    offsets = delta // element_size
+    if layout.aligned and not (int(address[0]) % 16 == 0 and not bool((offsets % ALIGNMENT_ELEMENTS).any())):
+        return None
+    table = layout.host_table.clone()
+    table[:, column] = offsets
+    return Layout(_to_device(table, layout.table.device), layout.program_param, layout.num_programs,
+                  layout.aligned, table)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

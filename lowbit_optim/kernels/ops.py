@@ -7,16 +7,20 @@ tracing into Triton's launcher. Hyperparameters are 0-d CPU tensors, read on the
 ``.item()`` (no device sync: they never left the CPU) and passed to the kernel as runtime
 scalars, so a schedule neither recompiles anything nor copies anything to the device.
 
-``step_group`` is what ``LowBitAdamW`` calls with every quantized parameter of a param
-group: it sorts them into kinds (formats, block size, dtypes, device, step count, amsgrad)
-and makes one launch per kind, so the number of launches does not grow with the number of
-parameters.
+``step_group`` steps the quantized parameters of a param group: it sorts them into kinds
+(formats, block size, dtypes, device, step count, amsgrad) and makes one launch per kind, so
+the number of launches does not grow with the number of parameters. ``StepGroupPlan`` is the
+same with the sorting, the launches' split and their layouts worked out once: what
+``LowBitAdamW`` keeps between steps (``lowbit_optim.step_plan``).
 """
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lowbit_optim.kernels import adamw_lowbit
+from lowbit_optim.kernels.plan import KindPlan
 from lowbit_optim.quant.formats import get_format
 
 _MUTATED = ("params", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales",
@@ -49,21 +53,6 @@ def adamw_lowbit_step(
     rounding only): the noise seed, e.g. from ``stochastic_round_seed`` and a counter the
     caller keeps; ``None`` draws one from torch's CPU generator (which that consumes).
     """
-    _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
-                max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step,
-                exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format, maximize=maximize,
-                stochastic_round=stochastic_round, seed=seed, check_states=True,
-                decoupled_weight_decay=decoupled_weight_decay)
-
-
-def _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
-                max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step, *,
-                exp_avg_format: str, exp_avg_sq_format: str, maximize: bool, stochastic_round: bool,
-                seed: int | None, check_states: bool, decoupled_weight_decay: bool = True) -> None:
-    """The op's implementation. ``check_states=False`` skips the per-parameter shape checks of
-    codes and scales: ``step_group`` passes the optimizer's own states, made by
-    ``QuantizedState.zeros`` and checked by ``load_state_dict``, and the checks cost ~3 us per
-    parameter per step (benchmarks/bench_host_overhead.py)."""
     exp_avg_fmt, exp_avg_sq_fmt = get_format(exp_avg_format), get_format(exp_avg_sq_format)
     amsgrad = bool(max_exp_avg_sq_codes)
     lists = [grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales]
@@ -76,9 +65,8 @@ def _step_lists(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, 
     if not params:
         return
     block_size = exp_avg_codes[0].shape[-1] * exp_avg_fmt.codes_per_byte
-    if check_states:
-        for param, codes_and_scales in zip(params, zip(*lists[1:])):
-            _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fmt)
+    for param, codes_and_scales in zip(params, zip(*lists[1:])):
+        _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fmt)
     if any(not p.is_contiguous() for p in params):
         raise ValueError("params must be contiguous (step_group handles non-contiguous ones)")
     names = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
@@ -138,6 +126,84 @@ def _check_state(param, codes_and_scales, block_size, exp_avg_fmt, exp_avg_sq_fm
             raise ValueError(f"state on {codes.device} does not match parameter on {param.device}")
 
 
+class StepGroupPlan:
+    """``step_group`` for a fixed list of parameters and states, sorted into kinds once.
+
+    Built from entries as ``step_group`` takes them; ``run`` steps them with the gradients
+    given (one per entry, in order, same shapes and dtypes as when planned). The optimizer
+    keeps one per param group while its parameters, states and step counts stay as they were
+    (``lowbit_optim.step_plan``), so a step does per parameter only what depends on the
+    gradients: their addresses (``kernels.plan.KindPlan``). Non-contiguous parameters step
+    through contiguous buffers kept here, so their addresses stay put too.
+    """
+
+    def __init__(self, entries: list[tuple]):
+        kinds: dict[tuple, list[int]] = {}
+        steps = torch.stack([entry[5] for entry in entries]).tolist() if entries else []
+        for index, (entry, step) in enumerate(zip(entries, steps)):
+            param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = entry
+            key = (exp_avg.format_name, exp_avg_sq.format_name, exp_avg.block_size, param.dtype, grad.dtype,
+                   param.device, step, max_exp_avg_sq is not None)
+            kinds.setdefault(key, []).append(index)
+        self.kinds = [self._kind(entries, indices) for indices in kinds.values()]
+
+    @staticmethod
+    def _kind(entries, indices):
+        kind = [entries[i] for i in indices]
+        params = [e[0] for e in kind]  # stepped under no_grad: no autograd to detach from
+        # The kernel needs contiguous memory: a non-contiguous parameter steps a buffer.
+        work = [p if p.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format)
+                for p in params]
+        copies = [(p, w) for p, w in zip(params, work) if w is not p]
+
+        def pairs(states):
+            return None if states[0] is None else [(s.codes, s.scales) for s in states]
+
+        plan = KindPlan(work, [e[1].contiguous() for e in kind], pairs([e[2] for e in kind]),
+                        pairs([e[3] for e in kind]), pairs([e[4] for e in kind]),
+                        exp_avg_format=kind[0][2].format, exp_avg_sq_format=kind[0][3].format,
+                        block_size=kind[0][2].block_size)
+        every = indices == list(range(len(entries)))
+        return _Kind(None if every else indices, kind[0][5], work, copies, plan)
+
+    def run(self, grads: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
+            weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
+            rounding_stream: int | None = None, decoupled_weight_decay: bool = True) -> None:
+        """``step_group``'s step with these gradients (see there for the arguments)."""
+        hyper = [_host_float(n, v) for n, v in zip(("lr", "beta1", "beta2", "eps", "weight_decay"),
+                                                   (lr, beta1, beta2, eps, weight_decay))]
+        for index, kind in enumerate(self.kinds):
+            kind_grads = grads if kind.indices is None else [grads[i] for i in kind.indices]
+            if not all(map(Tensor.is_contiguous, kind_grads)):
+                kind_grads = [grad.contiguous() for grad in kind_grads]
+            step = _host_float("step", kind.step)
+            if stochastic_round and kind.work[0].dtype == torch.bfloat16:
+                # From torch's CPU generator when no stream is given, so torch.manual_seed
+                # makes runs repeatable.
+                seed = (int(torch.randint(2**31 - 1, ())) if rounding_stream is None
+                        else stochastic_round_seed(int(step), (rounding_stream << 10) | index))
+            else:
+                seed = 0
+            for param, work in kind.copies:
+                work.copy_(param)
+            kind.plan.run(kind_grads, adamw_lowbit.host_scalars(*hyper, step,
+                                                                decoupled_weight_decay=decoupled_weight_decay),
+                          maximize=maximize, stochastic_round=stochastic_round, seed=seed)
+            # Only the parameters are visible to autograd, so only their version counters move
+            # (a buffer's copy back moves its parameter's).
+            torch._C._increment_version(kind.work)
+            for param, work in kind.copies:
+                param.copy_(work)
+
+
+class _Kind(NamedTuple):
+    indices: list[int] | None  # the kind's entries; None: all of them, in order
+    step: Tensor  # the kind's 0-d step count (every entry of a kind has the same)
+    work: list[Tensor]  # the parameters, or their contiguous buffers
+    copies: list[tuple[Tensor, Tensor]]  # (non-contiguous parameter, its buffer)
+    plan: KindPlan
+
+
 def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
                weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
                rounding_stream: int | None = None, decoupled_weight_decay: bool = True) -> None:
@@ -145,49 +211,39 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
 
     ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
     ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced).
+    Kinds: formats, block size, parameter and gradient dtype, device, step count, amsgrad.
     ``rounding_stream`` (bfloat16 stochastic rounding): when given, each kind's noise seed is
     ``stochastic_round_seed(its step count, stream)`` with ``stream`` made of
     ``rounding_stream`` and the kind's index: a pure function of what the optimizer saves, so a
     resumed run draws the same noise and torch's random stream is never touched. ``None``:
     drawn from torch's CPU generator.
+
+    Eager (the optimizer's step is a graph break) this plans and runs a ``StepGroupPlan``;
+    under ``torch.compile`` each kind is one call of the custom op, which the compiler sees.
     """
-    kinds: dict[tuple, list[tuple]] = {}
-    for entry in entries:
-        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step = entry
-        key = (exp_avg.format_name, exp_avg_sq.format_name, exp_avg.block_size, param.dtype, grad.dtype,
-               param.device, float(step), max_exp_avg_sq is not None)
-        kinds.setdefault(key, []).append(entry)
-    for index, kind in enumerate(kinds.values()):
-        params = [e[0] for e in kind]  # stepped under no_grad: no autograd to detach from
-        # The kernel needs contiguous memory; a non-contiguous parameter steps a copy.
-        work = [p if p.is_contiguous() else p.contiguous() for p in params]
-        amsgrad = kind[0][4] is not None
-        moments = [[e[i] for e in kind] for i in (2, 3, 4)]
+    if not entries:
+        return
+    options = dict(maximize=maximize, stochastic_round=stochastic_round,
+                   decoupled_weight_decay=decoupled_weight_decay)
+    plan = StepGroupPlan(entries)
+    if not torch.compiler.is_compiling():
+        plan.run([e[1] for e in entries], lr, beta1, beta2, eps, weight_decay,
+                 rounding_stream=rounding_stream, **options)
+        return
+    for index, kind in enumerate(plan.kinds):
+        kind_entries = entries if kind.indices is None else [entries[i] for i in kind.indices]
 
         def inner(states):
             if states[0] is None:
                 return [], []
             return [s.codes for s in states], [s.scales for s in states]
 
-        arguments = (
-            work, [e[1].contiguous() for e in kind], *inner(moments[0]), *inner(moments[1]),
-            *inner(moments[2] if amsgrad else [None]), lr, beta1, beta2, eps, weight_decay, kind[0][5],
-        )
-        options = dict(
-            exp_avg_format=kind[0][2].format_name, exp_avg_sq_format=kind[0][3].format_name,
-            maximize=maximize, stochastic_round=stochastic_round,
-            decoupled_weight_decay=decoupled_weight_decay,
-            seed=None if rounding_stream is None
-            else stochastic_round_seed(int(float(kind[0][5])), (rounding_stream << 10) | index),
-        )
-        if torch.compiler.is_compiling():
-            torch.ops.lowbit_optim.adamw_lowbit_step(*arguments, **options)
-        else:
-            # Eager (the optimizer's step is a graph break): the op's implementation without
-            # the dispatcher's per-tensor bookkeeping, which cost ~5 us per parameter. Only the
-            # parameters are visible to autograd, so only their version counters move.
-            _step_lists(*arguments, **options, check_states=False)
-            torch._C._increment_version(work)
-        for param, copy in zip(params, work):
-            if copy is not param:
-                param.copy_(copy)
+        seed = None if rounding_stream is None else stochastic_round_seed(
+            int(float(kind.step)), (rounding_stream << 10) | index)
+        torch.ops.lowbit_optim.adamw_lowbit_step(
+            kind.work, [e[1].contiguous() for e in kind_entries], *inner([e[2] for e in kind_entries]),
+            *inner([e[3] for e in kind_entries]), *inner([e[4] for e in kind_entries]),
+            lr, beta1, beta2, eps, weight_decay, kind.step, exp_avg_format=kind_entries[0][2].format_name,
+            exp_avg_sq_format=kind_entries[0][3].format_name, seed=seed, **options)
+        for param, work in kind.copies:
+            param.copy_(work)

@@ -1,0 +1,147 @@
+"""What one param group's step reuses between steps, and the checks that say it still may.
+
+A step used to redo per parameter, every time: find its state, build its entry, sort it
+into a kind, check and read the addresses of its eight tensors, key a layout cache, ~13-25 us
+per parameter of Python (issue 17, item 3). Nearly all of it depends on things that stay the
+same from one step to the next: which parameters the group holds, which of them have a
+gradient, their states, their data pointers, dtypes and shapes, the step counts kept equal
+within a kind. ``GroupPlan`` keeps what was worked out (``backends.AdamWPlan`` and, for the
+Triton backend, each kind's launches and layouts) together with exactly those facts, and
+``gradients`` compares them with the group as it is now using C-level map/compare over lists
+(no Python loop per parameter), so a stale plan is never used:
+
+* the group's parameter list, by identity; the optimizer's ``state`` mapping, by identity
+  (``load_state_dict`` replaces it), each parameter's state dict and every value in it, by
+  identity (a replaced moment or step count); the backend;
+* which parameters have a gradient (a gradient that became ``None``, or appeared);
+* each parameter's data pointer, dtype and shape (``param.data = ...``, ``model.half()``);
+* each gradient's dtype and shape against its parameter's and that it is dense: anything
+  else goes to ``LowBitAdamW._check_grads``, which refuses it before anything changes;
+* the step counts, before they are advanced, against what the plan last left them at (one
+  ``torch.equal``): a count changed in place may no longer share its kind.
+
+The plan lays out its parameters' step counts as 0-d views of one tensor, so that one add
+advances them all, and the float moments of small parameters as views of one tensor per
+moment, so that the flat float-state step updates them in place. Values, shapes and dtypes
+are unchanged: state dicts, checkpoints and ``torch.optim`` see the tensors they saw before.
+
+Gradients' addresses are not part of it: new gradients at new addresses are what every step
+with ``zero_grad(set_to_none=True)`` brings, and the Triton kinds follow them cheaply
+(``kernels.plan``). Holding no gradient, a plan never keeps a freed gradient's memory alive.
+"""
+
+from itertools import chain
+from operator import attrgetter, is_not, methodcaller
+
+import torch
+
+from lowbit_optim import backends, distributed
+from lowbit_optim.functional import consecutive_views
+from lowbit_optim.state import MOMENT_KEYS
+
+_GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
+_IS_SPARSE = attrgetter("is_sparse")
+_DATA_PTR = methodcaller("data_ptr")
+
+
+def _flatten_float_moments(state_dicts: list[dict]) -> None:
+    """Make the float moments of small parameters (those ``backends`` steps together) views of
+    one tensor per moment, dtype and device, consecutive in parameter order (values, shapes
+    and dtypes unchanged): the flat step then updates them in place instead of gathering and
+    scattering them (``functional.FloatStateStep``)."""
+    groups: dict[tuple, list[dict]] = {}
+    for state_dict in state_dicts:
+        for key in MOMENT_KEYS:
+            moment = state_dict.get(key)
+            if type(moment) is torch.Tensor and moment.numel() < backends.FLAT_FLOAT_STATE_BELOW:
+                groups.setdefault((key, moment.dtype, moment.device), []).append(state_dict)
+    for (key, _, _), group in groups.items():
+        moments = [state_dict[key] for state_dict in group]
+        if len(moments) < 2 or consecutive_views(moments) is not None:
+            continue
+        flat = torch.cat([moment.reshape(-1) for moment in moments])
+        pieces = flat.split([moment.numel() for moment in moments])
+        for state_dict, piece, moment in zip(group, pieces, moments):
+            state_dict[key] = piece.view(moment.shape)
+
+
+def _value_ids(state_dicts: list[dict]) -> list[int]:
+    return [*map(id, chain.from_iterable(map(dict.values, state_dicts)))]
+
+
+class GroupPlan:
+    """One param group's step, planned from its parameters that have a gradient and their
+    (already created) states; see the module docstring for when it is reused."""
+
+    def __init__(self, params: list[torch.Tensor], state: dict, backend: str):
+        self.param_ids = [*map(id, params)]
+        self.state = state
+        self.backend = backend
+        grads = [*map(_GRAD, params)]
+        self.has_grad = [grad is not None for grad in grads]
+        self.with_grad = [param for param, has in zip(params, self.has_grad) if has]
+        grads = [grad for grad in grads if grad is not None]
+        self.addresses = [*map(_DATA_PTR, self.with_grad)]
+        self.dtypes = [*map(_DTYPE, self.with_grad)]
+        self.shapes = [*map(_SHAPE, self.with_grad)]
+        self.state_dicts = [state[param] for param in self.with_grad]
+        # The step counts become 0-d views of one tensor, so one add advances them all: a
+        # foreach add over separate 0-d CPU tensors is a loop of dispatcher calls, ~1.6 us per
+        # parameter (benchmarks/bench_host_overhead.py). Their values and dtype stay as they were.
+        self.step_counts = None
+        if self.state_dicts:
+            self.step_counts = torch.stack([state_dict["step"] for state_dict in self.state_dicts])
+            for state_dict, count in zip(self.state_dicts, self.step_counts):
+                state_dict["step"] = count
+            self.expected_steps = self.step_counts.clone()
+        _flatten_float_moments(self.state_dicts)
+        self.value_ids = _value_ids(self.state_dicts)
+        self.has_dtensor = any(map(distributed.is_dtensor, self.with_grad))
+        local = distributed.local  # FSDP2: each rank steps its own shards
+        entries = [
+            backends.ParamStep(local(param), local(grad), local(s["exp_avg"]), local(s["exp_avg_sq"]),
+                               local(s.get("max_exp_avg_sq")), s["step"])
+            for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
+        ]
+        self.adamw = backends.AdamWPlan(entries, backend)
+
+    def gradients(self, params: list[torch.Tensor], state: dict, backend: str) -> list[torch.Tensor] | None:
+        """The gradients to step with (of the parameters that have one, in order), or ``None``
+        if anything the plan depends on has changed or a gradient does not fit its parameter
+        (the caller then checks the gradients properly and plans again)."""
+        if (state is not self.state or backend != self.backend
+                or [*map(id, params)] != self.param_ids):
+            return None
+        grads = [*map(_GRAD, params)]
+        if [grad is not None for grad in grads] != self.has_grad:
+            return None
+        if len(grads) != len(self.with_grad):
+            grads = [grad for grad in grads if grad is not None]
+        with_grad = self.with_grad
+        if ([*map(_DATA_PTR, with_grad)] != self.addresses or [*map(_DTYPE, with_grad)] != self.dtypes
+                or [*map(_SHAPE, with_grad)] != self.shapes
+                or [*map(_DTYPE, grads)] != self.dtypes or [*map(_SHAPE, grads)] != self.shapes
+                or any(map(_IS_SPARSE, grads))):
+            return None
+        if any(map(is_not, map(state.get, with_grad), self.state_dicts)):
+            return None
+        if _value_ids(self.state_dicts) != self.value_ids:
+            return None
+        if self.has_dtensor:
+            grads = [*map(distributed.local, grads)]
+        return grads
+
+    def steps_unchanged(self) -> bool:
+        """Whether the step counts are where this plan's last step left them (one changed in
+        place may no longer share its kind's)."""
+        return self.step_counts is None or torch.equal(self.step_counts, self.expected_steps)
+
+    def step(self, grads: list[torch.Tensor], **options) -> None:
+        """Advance the step counts and step every parameter (``backends.AdamWPlan.run``)."""
+        if self.step_counts is None:
+            return
+        self.step_counts += 1
+        self.expected_steps += 1
+        self.adamw.run(grads, **options)
