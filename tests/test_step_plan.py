@@ -141,8 +141,10 @@ CHANGES = {
 
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("change", list(CHANGES), ids=str)
-@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
-def test_a_change_between_steps_is_never_served_stale(cls, change):
+def test_a_change_between_steps_is_never_served_stale(change):
+    # Both formats are covered, alternately: the plan does not depend on the format, and each
+    # scenario runs the interpreted kernel ~16 times.
+    cls = (AdamW8bit, AdamW4bit)[list(CHANGES).index(change) % 2]
     pair = Pair(cls, lr=1e-2)
     pair.step()
     pair.step()  # the plan is reused here
