@@ -181,7 +181,7 @@ class AdamWPlan:
                             decoupled_weight_decay=decoupled_weight_decay)
 
 
-def _with_own_code_object(fn, name: str):
+def with_own_code_object(fn, name: str):
     """A copy of ``fn`` whose code object is its own.
 
     Dynamo keeps compiled graphs, and counts them against ``recompile_limit``, per code
@@ -202,7 +202,7 @@ def compiled_step(exp_avg_format, exp_avg_sq_format):
     # Compiled as a plain function (formats and flags are passed as keyword arguments at the
     # call): torch.compile wraps a functools.partial in a shared helper whose code object
     # would again be common to every state kind.
-    return torch.compile(_with_own_code_object(quantized_adamw_step, name), dynamic=False)
+    return torch.compile(with_own_code_object(quantized_adamw_step, name), dynamic=False)
 
 
 def compiled_graph_count(exp_avg_format, exp_avg_sq_format) -> int:
@@ -250,30 +250,38 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
         decoupled_weight_decay=decoupled_weight_decay,
     )
 
+    moments = [exp_avg, exp_avg_sq] + ([max_exp_avg_sq] if max_exp_avg_sq is not None else [])
+
+    def update(param_blocks, grad_blocks, block_rows: slice, first_element: int) -> None:
+        stored = [StoredMoment(m.codes[block_rows], m.scales[block_rows]) for m in moments]
+        if max_exp_avg_sq is None:
+            stored.append(None)
+        _call(step, backend, param_blocks, grad_blocks, stored, scalars)
+
+    for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
+
+
+def for_each_block_chunk(param: torch.Tensor, grad: torch.Tensor, block_size: int,
+                         scratch: TailScratch, update) -> None:
+    """Run ``update(param_blocks, grad_blocks, block_rows, first_element)`` over ``param``'s
+    blocks in place: its whole blocks a bounded chunk at a time (``CHUNK_ELEMENTS``; every
+    chunk reuses the compiled graph), then its last, partial block through a zero-padded
+    scratch block. ``block_rows`` are the chunk's rows of the block-shaped state and
+    ``first_element`` its offset in the flattened parameter. A non-contiguous parameter
+    steps a contiguous copy, written back at the end."""
     # Detached, so views of a leaf that requires grad and the scratch buffers look alike to
     # the compiled graph's guards.
     param = param.detach()
-    grad = grad.detach()
     work = param if param.is_contiguous() else param.contiguous()
     flat_param = work.view(-1)
-    flat_grad = grad.reshape(-1)
-    block_size = exp_avg.block_size
-    numel = flat_param.numel()
-    whole_blocks, tail = divmod(numel, block_size)
-    moments = [exp_avg, exp_avg_sq] + ([max_exp_avg_sq] if max_exp_avg_sq is not None else [])
-
-    def inner(rows: slice) -> list[StoredMoment | None]:
-        stored = [StoredMoment(m.codes[rows], m.scales[rows]) for m in moments]
-        return stored if max_exp_avg_sq is not None else stored + [None]
-
-    # Whole blocks, a bounded chunk at a time (CHUNK_ELEMENTS); every chunk reuses the graph.
+    flat_grad = grad.detach().reshape(-1)
+    whole_blocks, tail = divmod(flat_param.numel(), block_size)
     chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
     for first in range(0, whole_blocks, chunk_blocks):
-        rows = slice(first, min(first + chunk_blocks, whole_blocks))
-        count = rows.stop - rows.start
-        elements = slice(rows.start * block_size, rows.stop * block_size)
-        _call(step, backend, flat_param[elements].view(count, block_size),
-              flat_grad[elements].view(count, block_size), inner(rows), scalars)
+        count = min(chunk_blocks, whole_blocks - first)
+        elements = slice(first * block_size, (first + count) * block_size)
+        update(flat_param[elements].view(count, block_size), flat_grad[elements].view(count, block_size),
+               slice(first, first + count), first * block_size)
     if tail:
         start = whole_blocks * block_size
         param_block = scratch.get(flat_param, block_size, "param")
@@ -285,7 +293,7 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
         # resumed run's fresh buffers change the result (tests/test_checkpoint.py).
         param_block[0, tail:].zero_()
         grad_block[0, tail:].zero_()
-        _call(step, backend, param_block, grad_block, inner(slice(whole_blocks, None)), scalars)
+        update(param_block, grad_block, slice(whole_blocks, None), start)
         flat_param[start:].copy_(param_block[0, :tail])
     if work is not param:
         param.copy_(work)

@@ -112,13 +112,13 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
 @functools.cache
 def compiled_functions(exp_avg_format: QuantFormat):
     """``(second_moment_sums, factored_adamw_step)`` compiled, once per process and format."""
-    from lowbit_optim.backends import _with_own_code_object
+    from lowbit_optim.backends import with_own_code_object  # backends imports this module
 
     suffix = exp_avg_format.name.replace("-", "_")
     return (
-        torch.compile(_with_own_code_object(second_moment_sums, f"second_moment_sums__{suffix}"),
+        torch.compile(with_own_code_object(second_moment_sums, f"second_moment_sums__{suffix}"),
                       dynamic=False),
-        torch.compile(_with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"),
+        torch.compile(with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"),
                       dynamic=False),
     )
 
@@ -150,7 +150,7 @@ def run_factored_step(backend: str, entry, hyper, scratch, *, maximize: bool,
     """Update one parameter with a 4-bit first moment and a ``FactoredState`` second moment
     in place, with ``"compile"`` or ``"eager"`` (``entry``: a ``backends.ParamStep``;
     ``hyper``: a ``functional.StepScalars``)."""
-    from lowbit_optim.backends import CHUNK_ELEMENTS
+    from lowbit_optim.backends import CHUNK_ELEMENTS, for_each_block_chunk  # (an import cycle)
 
     param, grad, exp_avg, factored, _, _ = entry
     lr, beta1, beta2, eps, weight_decay, step = hyper
@@ -161,10 +161,8 @@ def run_factored_step(backend: str, entry, hyper, scratch, *, maximize: bool,
         statistics_step, update_step = second_moment_sums, factored_adamw_step
     flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
 
-    param = param.detach()
-    work = param if param.is_contiguous() else param.contiguous()
     rows, columns = factored.row.numel(), factored.col.numel()
-    param_matrix = work.view(rows, columns)
+    param_matrix = param.detach().reshape(rows, columns)  # read only (L2 weight decay)
     grad_matrix = grad.detach().reshape(rows, columns)
 
     # Pass 1: the statistics, a bounded chunk of rows at a time.
@@ -188,9 +186,6 @@ def run_factored_step(backend: str, entry, hyper, scratch, *, maximize: bool,
     # no tensor is made per step, and no size becomes a guarded constant.
     columns_scalar = scratch.index_scalar("columns").fill_(columns)
     first_element_scalar = scratch.index_scalar("first_element")
-    flat_param, flat_grad = work.view(-1), grad_matrix.view(-1)
-    block_size = exp_avg.block_size
-    whole_blocks, tail = divmod(flat_param.numel(), block_size)
     options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
     dynamic = {index: (0,) for index in range(6)}
 
@@ -199,22 +194,4 @@ def run_factored_step(backend: str, entry, hyper, scratch, *, maximize: bool,
               exp_avg.scales[block_rows], factored.row, col_normalized,
               first_element_scalar.fill_(first_element), columns_scalar, *scalars, **options)
 
-    chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
-    for first in range(0, whole_blocks, chunk_blocks):
-        count = min(chunk_blocks, whole_blocks - first)
-        elements = slice(first * block_size, (first + count) * block_size)
-        update(flat_param[elements].view(count, block_size), flat_grad[elements].view(count, block_size),
-               slice(first, first + count), first * block_size)
-    if tail:
-        start = whole_blocks * block_size
-        param_block = scratch.get(flat_param, block_size, "param")
-        grad_block = scratch.get(flat_grad, block_size, "grad")
-        param_block[0, :tail].copy_(flat_param[start:])
-        grad_block[0, :tail].copy_(flat_grad[start:])
-        # Zero padding: its first moment stays 0 and never sets the block's scale.
-        param_block[0, tail:].zero_()
-        grad_block[0, tail:].zero_()
-        update(param_block, grad_block, slice(whole_blocks, None), start)
-        flat_param[start:].copy_(param_block[0, :tail])
-    if work is not param:
-        param.copy_(work)
+    for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
