@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lowbit_optim.backends import ParamStep
 from lowbit_optim.kernels import adamw_lowbit
 from lowbit_optim.kernels.plan import KindPlan
 from lowbit_optim.quant.formats import get_format
@@ -138,19 +139,20 @@ class StepGroupPlan:
     """
 
     def __init__(self, entries: list[tuple]):
+        entries = [ParamStep(*entry) for entry in entries]
         kinds: dict[tuple, list[int]] = {}
-        steps = torch.stack([entry[5] for entry in entries]).tolist() if entries else []
+        steps = torch.stack([entry.step for entry in entries]).tolist() if entries else []
         for index, (entry, step) in enumerate(zip(entries, steps)):
-            param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = entry
-            key = (exp_avg.format_name, exp_avg_sq.format_name, exp_avg.block_size, param.dtype, grad.dtype,
-                   param.device, step, max_exp_avg_sq is not None)
+            key = (entry.exp_avg.format_name, entry.exp_avg_sq.format_name, entry.exp_avg.block_size,
+                   entry.param.dtype, entry.grad.dtype, entry.param.device, step,
+                   entry.max_exp_avg_sq is not None)
             kinds.setdefault(key, []).append(index)
         self.kinds = [self._kind(entries, indices) for indices in kinds.values()]
 
     @staticmethod
     def _kind(entries, indices):
         kind = [entries[i] for i in indices]
-        params = [e[0] for e in kind]  # stepped under no_grad: no autograd to detach from
+        params = [e.param for e in kind]  # stepped under no_grad: no autograd to detach from
         # The kernel needs contiguous memory: a non-contiguous parameter steps a buffer.
         work = [p if p.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format)
                 for p in params]
@@ -159,12 +161,13 @@ class StepGroupPlan:
         def pairs(states):
             return None if states[0] is None else [(s.codes, s.scales) for s in states]
 
-        plan = KindPlan(work, [e[1].contiguous() for e in kind], pairs([e[2] for e in kind]),
-                        pairs([e[3] for e in kind]), pairs([e[4] for e in kind]),
-                        exp_avg_format=kind[0][2].format, exp_avg_sq_format=kind[0][3].format,
-                        block_size=kind[0][2].block_size)
+        first = kind[0]
+        plan = KindPlan(work, [e.grad.contiguous() for e in kind], pairs([e.exp_avg for e in kind]),
+                        pairs([e.exp_avg_sq for e in kind]), pairs([e.max_exp_avg_sq for e in kind]),
+                        exp_avg_format=first.exp_avg.format, exp_avg_sq_format=first.exp_avg_sq.format,
+                        block_size=first.exp_avg.block_size)
         every = indices == list(range(len(entries)))
-        return _Kind(None if every else indices, kind[0][5], work, copies, plan)
+        return _Kind(None if every else indices, first.step, work, copies, plan)
 
     def run(self, grads: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
             weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
@@ -223,11 +226,12 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
     """
     if not entries:
         return
+    entries = [ParamStep(*entry) for entry in entries]
     options = dict(maximize=maximize, stochastic_round=stochastic_round,
                    decoupled_weight_decay=decoupled_weight_decay)
     plan = StepGroupPlan(entries)
     if not torch.compiler.is_compiling():
-        plan.run([e[1] for e in entries], lr, beta1, beta2, eps, weight_decay,
+        plan.run([e.grad for e in entries], lr, beta1, beta2, eps, weight_decay,
                  rounding_stream=rounding_stream, **options)
         return
     for index, kind in enumerate(plan.kinds):
@@ -241,9 +245,10 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
         seed = None if rounding_stream is None else stochastic_round_seed(
             int(float(kind.step)), (rounding_stream << 10) | index)
         torch.ops.lowbit_optim.adamw_lowbit_step(
-            kind.work, [e[1].contiguous() for e in kind_entries], *inner([e[2] for e in kind_entries]),
-            *inner([e[3] for e in kind_entries]), *inner([e[4] for e in kind_entries]),
-            lr, beta1, beta2, eps, weight_decay, kind.step, exp_avg_format=kind_entries[0][2].format_name,
-            exp_avg_sq_format=kind_entries[0][3].format_name, seed=seed, **options)
+            kind.work, [e.grad.contiguous() for e in kind_entries], *inner([e.exp_avg for e in kind_entries]),
+            *inner([e.exp_avg_sq for e in kind_entries]), *inner([e.max_exp_avg_sq for e in kind_entries]),
+            lr, beta1, beta2, eps, weight_decay, kind.step,
+            exp_avg_format=kind_entries[0].exp_avg.format_name,
+            exp_avg_sq_format=kind_entries[0].exp_avg_sq.format_name, seed=seed, **options)
         for param, work in kind.copies:
             param.copy_(work)
