@@ -30,7 +30,7 @@ routes that need no registration (``Trainer(optimizer_cls_and_kwargs=...)``).
 
 import enum
 
-from lowbit_optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit
+from lowbit_optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 from lowbit_optim.offload import CPUOffloadOptimizer
 
 # optim name -> optimizer class. Names carry the "lowbit_" prefix: transformers already uses
@@ -39,6 +39,7 @@ OPTIMIZERS = {
     "lowbit_adamw_8bit": AdamW8bit,
     "lowbit_adamw_4bit": AdamW4bit,
     "lowbit_adamw_4bit_factored": AdamWFactored4bit,
+    "lowbit_adamw_fp8": AdamWFp8,
 }
 
 # optim name -> the optimizer class that CPUOffloadOptimizer steps on the host.
@@ -204,9 +205,9 @@ def _add_member(enum_cls, name: str, value: str):
 
 
 def register() -> tuple[str, ...]:
-    """Make ``TrainingArguments(optim=...)`` accept ``"lowbit_adamw_8bit"``,
-    ``"lowbit_adamw_4bit"`` and ``"lowbit_adamw_4bit_factored"``, and the ``_offload``
-    variants (``OFFLOAD_OPTIMIZERS``).
+    """Make ``TrainingArguments(optim=...)`` accept the names of ``OPTIMIZERS``
+    (``"lowbit_adamw_8bit"``, ``"lowbit_adamw_4bit"``, ...) and the ``_offload`` variants
+    (``OFFLOAD_OPTIMIZERS``).
     Idempotent; imports transformers. Call it before building ``TrainingArguments`` or an
     ``HfArgumentParser`` (the parser reads its ``--optim`` choices when it is built). Returns
     the names of ``OPTIMIZERS``; those of ``OFFLOAD_OPTIMIZERS`` are registered with them."""
