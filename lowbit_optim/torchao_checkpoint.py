@@ -76,11 +76,31 @@ _STATE_CLASSES = {
 }
 
 
+@dataclass(frozen=True)
+class _UnreadState:
+    """A torchao state as unpickled, dequantized once ``torch.load`` returns: in the legacy
+    (non-zip) format the inner tensors' data is only read after the pickle."""
+
+    state_class: _StateClass
+    state: dict
+
+
 def _rebuild_state_or_tensor(func, new_type, args, state):
-    """torch's ``_rebuild_from_type_v2``, except that a torchao state becomes its float values."""
+    """torch's ``_rebuild_from_type_v2``, except that a torchao state is kept aside."""
     if isinstance(new_type, _StateClass):
-        return new_type.float_values(state)
+        return _UnreadState(new_type, state)
     return _rebuild_from_type_v2(func, new_type, args, state)
+
+
+def _with_float_values(loaded):
+    """``loaded`` with every ``_UnreadState`` in its dicts, lists and tuples dequantized."""
+    if isinstance(loaded, _UnreadState):
+        return loaded.state_class.float_values(loaded.state)
+    if isinstance(loaded, dict):
+        return {key: _with_float_values(value) for key, value in loaded.items()}
+    if isinstance(loaded, (list, tuple)):
+        return type(loaded)(_with_float_values(value) for value in loaded)
+    return loaded
 
 
 class _Unpickler(pickle.Unpickler):
@@ -121,4 +141,5 @@ def load_torchao_optimizer_state(f, map_location="cpu") -> dict:
 
     Raises ``pickle.UnpicklingError`` naming the class if the file names any other torchao class.
     """
-    return torch.load(f, map_location=map_location, pickle_module=_PICKLE_MODULE, weights_only=False)
+    return _with_float_values(
+        torch.load(f, map_location=map_location, pickle_module=_PICKLE_MODULE, weights_only=False))

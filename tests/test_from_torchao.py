@@ -174,6 +174,38 @@ def saved(obj) -> io.BytesIO:
     return buffer
 
 
+def random_torchao_state(kind: str, shape):
+    """A torchao state tensor of ``shape`` with random codes and scales."""
+    if kind == "fp8":
+        moment = torchao_optim.subclass_fp8.OptimStateFp8.zeros(shape)
+        moment.codes.copy_(torch.randn(shape).mul(100).to(moment.codes.dtype))
+    else:
+        module = {"8bit": torchao_optim.subclass_8bit, "4bit": torchao_optim.subclass_4bit}[kind]
+        moment = getattr(module, f"OptimState{kind}").zeros(shape)
+        moment.codes.random_(0, 256)
+    moment.scale.uniform_()
+    return moment
+
+
+# torch's legacy (non-zip) format cannot load float8 tensors at all (torch 2.13: "UntypedStorage
+# has no attribute 'dtype'"), so fp8 is read from the zip format only.
+@pytest.mark.parametrize("kind, zip_format", [
+    ("8bit", True), ("8bit", False), ("4bit", True), ("4bit", False), ("fp8", True),
+], ids=["8bit-zip", "8bit-legacy", "4bit-zip", "4bit-legacy", "fp8-zip"])
+def test_torchao_state_read_as_its_dequantized_values(kind, zip_format):
+    # Odd leading size: several blocks, and shapes the 4-bit packing must restore.
+    moment = random_torchao_state(kind, (3, 256))
+    buffer = io.BytesIO()
+    torch.save({"nested": [(moment,)], "plain": torch.arange(3)}, buffer,
+               _use_new_zipfile_serialization=zip_format)
+    buffer.seek(0)
+    read = load_torchao_optimizer_state(buffer)
+    values = read["nested"][0][0]
+    assert type(values) is torch.Tensor and values.dtype == torch.float32
+    assert torch.equal(values, moment.dequantize())
+    assert torch.equal(read["plain"], torch.arange(3))
+
+
 def test_torchao_file_naming_another_torchao_class_is_refused():
     named = torchao_optim.AdamW8bit
     checkpoint = saved({"state": {}, "param_groups": [], "optimizer": named})
