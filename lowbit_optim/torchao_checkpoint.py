@@ -6,10 +6,11 @@ classes in its pickle, so a plain ``torch.load`` imports torchao. torch pickles 
 tensor subclass as ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, cls, args, state)``
 (``torch.Tensor.__reduce_ex__``), where ``state`` is the instance's ``__dict__``: its plain
 inner tensors (``codes``, ``scale``, ``qmap``) and attributes (``signed``, ``block_size``,
-``_shape``). The unpickler here stands in for those classes and turns each such tensor into
-the float32 values its ``dequantize()`` returns, computed with the same operations, so the
-result is bit-identical to what ``LowBitAdamW.load_state_dict`` reads from the real
-tensors (``checkpoint.foreign_float_values``); loading it gives the same state.
+``_shape``). The unpickler here stands in for those classes and keeps each such state aside;
+once the file is read, each becomes the float32 values its ``dequantize()`` returns, computed
+with the same operations, so the result is bit-identical to what
+``LowBitAdamW.load_state_dict`` reads from the real tensors
+(``checkpoint.foreign_float_values``); loading it gives the same state.
 
 torchao is never imported here; a pickle naming any other torchao class is refused.
 """
