@@ -2,7 +2,7 @@
 classes, that weight decay is L2; for the factored one, which second moments are factored),
 nothing more."""
 
-from lowbit_optim.distributed import is_dtensor
+from lowbit_optim.distributed import check_rows_sharded
 from lowbit_optim.factored_state import factor_shape
 from lowbit_optim.optimizer import LowBitAdamW
 from lowbit_optim.quant.formats import (
@@ -53,8 +53,9 @@ class AdamWFactored4bit(LowBitAdamW):
     ``lowbit_optim.factored``), about half a byte per parameter. One-dimensional parameters,
     and those whose factors would cost more than half a byte per element, keep
     ``AdamW4bit``'s 4-bit second moment. Same arguments as ``AdamW4bit``; ``amsgrad`` is not
-    supported (the maximum of a factored moment is not the factored maximum), nor are FSDP2
-    (DTensor) parameters. See docs/usage.md for when not to use it.
+    supported (the maximum of a factored moment is not the factored maximum). Under FSDP2 each
+    rank keeps its rows' statistics and every column's, the columns summed across ranks each
+    step (docs/distributed.md). See docs/usage.md for when not to use it.
     """
 
     exp_avg_format = AdamW4bit.exp_avg_format
@@ -78,12 +79,7 @@ class AdamWFactored4bit(LowBitAdamW):
 
     def _check_param(self, param):
         super()._check_param(param)
-        if is_dtensor(param):
-            raise ValueError(
-                f"{type(self).__name__} does not support FSDP2 (DTensor) parameters yet (got one "
-                f"of shape {tuple(param.shape)}): its row and column statistics would need a "
-                "reduction across ranks; use AdamW4bit (docs/distributed.md)"
-            )
+        check_rows_sharded(param, type(self).__name__)
 
 
 class _L2WeightDecay:

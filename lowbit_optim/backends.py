@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from lowbit_optim.factored import run_factored_step
+from lowbit_optim.factored import FactoredParams
 from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.functional import FloatStateStep, StepScalars, StoredMoment, quantized_adamw_step
 from lowbit_optim.state import QuantizedState
@@ -110,13 +110,15 @@ class AdamWPlan:
     kernel's launches split); ``run`` steps them with the gradients given, one per entry,
     in order. Holds no gradient, so ``zero_grad(set_to_none=True)`` frees them. The optimizer
     keeps one per param group while nothing it was built from changes (``step_plan``).
+    ``params``: the parameters as the optimizer holds them, when the entries hold FSDP2
+    shards of them (the factored step reduces over the ranks that hold the other rows).
     """
 
-    def __init__(self, entries: list[ParamStep], backend: str):
+    def __init__(self, entries: list[ParamStep], backend: str, params: list[torch.Tensor] | None = None):
         self.backend = backend
-        triton_entries, float_state = [], {}
+        params = params or [entry.param for entry in entries]
+        triton_entries, float_state, factored = [], {}, []
         self.quantized: list[tuple[int, ParamStep]] = []  # stepped one by one
-        self.factored: list[tuple[int, ParamStep]] = []  # one by one, compiled (or eager)
         for index, entry in enumerate(entries):
             if not isinstance(entry.exp_avg, QuantizedState):
                 # Small ones share one flat step per (device, dtype, step count, amsgrad); a big
@@ -128,7 +130,7 @@ class AdamWPlan:
                     key = id(entry.param)
                 float_state.setdefault(key, []).append(index)
             elif isinstance(entry.exp_avg_sq, FactoredState):
-                self.factored.append((index, entry._replace(grad=None)))
+                factored.append(index)
             elif backend == "triton" and entry.param.dtype != torch.float64:
                 triton_entries.append(index)
             else:
@@ -140,6 +142,9 @@ class AdamWPlan:
             self.float_state.append((indices, group[0].step, FloatStateStep(
                 [e.param for e in group], [e.exp_avg for e in group], [e.exp_avg_sq for e in group],
                 [e.max_exp_avg_sq for e in group] if amsgrad else None)))
+        # The Triton kernel has no factored variant: these go through the compiled step.
+        self.factored = FactoredParams([(i, entries[i]._replace(grad=None)) for i in factored],
+                                       [params[i] for i in factored]) if factored else None
         self.triton_indices = triton_entries
         self.triton = None
         if triton_entries:
@@ -152,11 +157,10 @@ class AdamWPlan:
             scratch: "TailScratch", rounding_stream: int | None = None,
             decoupled_weight_decay: bool = True) -> None:
         """``adamw``'s step (see there) with ``grads``, one per entry the plan was built from."""
-        for index, entry in self.factored:
-            # The Triton kernel has no factored variant: these go through the compiled step.
-            run_factored_step(
-                "eager" if self.backend == "eager" else "compile", entry._replace(grad=grads[index]),
-                StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
+        if self.factored is not None:
+            self.factored.run(
+                "eager" if self.backend == "eager" else "compile", grads,
+                StepScalars(lr, beta1, beta2, eps, weight_decay, None), scratch,
                 maximize=maximize, stochastic_round=stochastic_round,
                 decoupled_weight_decay=decoupled_weight_decay,
             )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim.distributed import is_dtensor, local, wrap_like
+from lowbit_optim.distributed import factored_from_float, is_dtensor, local, wrap_like
 from lowbit_optim.factored_state import FactoredState, factor_shape
 from lowbit_optim.functional import compute_dtype
 from lowbit_optim.state import MOMENT_KEYS, QuantizedState
@@ -193,7 +193,7 @@ def _check_factored(where: str, slot: _Slot, state) -> None:
             f"{where} must be a FactoredState (row and column statistics), got {got} (convert "
             "through lowbit_optim.checkpoint.to_torch_adamw to switch optimizers)"
         )
-    rows, columns = factor_shape(slot.param.shape)
+    rows, columns = factor_shape(state.shape)  # this rank's rows of an FSDP2 shard
     for name, vector, length in (("row", state.row, rows), ("col", state.col, columns)):
         if vector.dtype != torch.float32 or tuple(vector.shape) != (length,):
             raise ValueError(
@@ -387,7 +387,8 @@ def _map_moments(state_dict: dict, slots: dict, convert) -> dict:
 
 
 def _quantize_sharded_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
-    """``state_dict`` with each float DTensor moment of a quantized parameter re-quantized.
+    """``state_dict`` with each float DTensor moment of a quantized parameter re-quantized
+    (or re-factored: a collective, as every rank loads).
 
     ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers sharded moments as their
     float values (``full_tensor()`` of a quantized shard dequantizes), and
@@ -400,9 +401,11 @@ def _quantize_sharded_float_moments(optimizer, state_dict: dict, slots: dict) ->
     def convert(slot, key, value):
         group = {**optimizer.defaults, **slot.group}
         shard = local(value)
-        float_shard = is_dtensor(value) and not isinstance(shard, QuantizedState)
+        float_shard = is_dtensor(value) and not isinstance(shard, STORED_MOMENTS)
         if not float_shard or not optimizer.is_quantized(slot.param, group):
             return None
+        if optimizer.is_factored(slot.param, group, key):
+            return factored_from_float(value, slot.param.dtype)
         moment = QuantizedState.zeros(shard.shape, optimizer.moment_format(key), group["block_size"],
                                       device=shard.device, dtype=slot.param.dtype)
         return wrap_like(moment.quantize_(shard), value)

@@ -9,14 +9,25 @@ global size, so the sharding policy never changes which states are float32 (the 
 torchao #4912 and bitsandbytes #2080, where a shard below the size threshold silently got
 float32 state).
 
+A factored second moment (``AdamWFactored4bit``) is a ``FactoredState`` of the local shard
+too. FSDP2 shards dimension 0, so each rank holds whole rows of the ``(rows, last dim)``
+matrix the moment is factored over: the row statistics are local, but each column statistic
+is a mean over every row, so the column sums of a step are added across the ranks that hold
+the other rows (``sum_across_shards``, one all-reduce per step for all of a group's factored
+parameters). Every rank then holds the same column statistics as an unsharded run would.
+
 DDP needs nothing here: its parameters are plain tensors, replicated on every rank.
-Distributed checkpoints: resharding a quantized moment is ``lowbit_optim.quantized_slice``;
-full state dicts gathered from shards are re-quantized on load by ``lowbit_optim.checkpoint``.
+Distributed checkpoints: resharding a quantized moment is ``lowbit_optim.quantized_slice``,
+a factored one slices whole rows (``FactoredState``'s ``slice``); full state dicts gathered
+from shards are re-quantized (or re-factored) on load by ``lowbit_optim.checkpoint``.
 """
 
-import torch
-from torch.distributed.tensor import DTensor
+from collections.abc import Callable
 
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lowbit_optim.factored_state import FactoredState, factor_shape
 from lowbit_optim.quant.formats import QuantFormat
 from lowbit_optim.state import QuantizedState
 
@@ -53,8 +64,62 @@ def wrap_like(local_tensor: torch.Tensor, param: DTensor) -> DTensor:
     )
 
 
+def _like(param: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]):
+    """``make(shard)`` for this rank's shard of ``param``, laid out like ``param``."""
+    state = make(local(param))
+    return wrap_like(state, param) if is_dtensor(param) else state
+
+
 def zeros_state(param: torch.Tensor, fmt: QuantFormat, block_size: int):
     """An all-zero quantized moment for ``param``: blocks over the local shard of a DTensor."""
-    shard = local(param)
-    state = QuantizedState.zeros(shard.shape, fmt, block_size, device=shard.device, dtype=shard.dtype)
-    return wrap_like(state, param) if is_dtensor(param) else state
+    return _like(param, lambda shard: QuantizedState.zeros(
+        shard.shape, fmt, block_size, device=shard.device, dtype=shard.dtype))
+
+
+def zeros_factored_state(param: torch.Tensor):
+    """An all-zero factored moment for ``param``: the local shard's rows, every column."""
+    return _like(param, lambda shard: FactoredState.zeros(shard.shape, device=shard.device,
+                                                          dtype=shard.dtype))
+
+
+def check_rows_sharded(param: torch.Tensor, owner: str) -> None:
+    """Refuse a DTensor ``param`` split other than by whole rows (``Shard(0)``, what FSDP2
+    uses, or replicated along a mesh dimension): a factored moment keeps every column of the
+    rows it holds."""
+    if not is_dtensor(param):
+        return
+    for placement in param.placements:
+        if not (type(placement) is Replicate or (type(placement) is Shard and placement.dim == 0)):
+            raise ValueError(
+                f"{owner} factors the second moment of a DTensor parameter only when it is "
+                f"sharded along dim 0 (FSDP2's Shard(0)) or replicated; got placements "
+                f"{tuple(param.placements)} for a parameter of shape {tuple(param.shape)}"
+            )
+
+
+def shard_groups(param: torch.Tensor) -> tuple:
+    """The process groups of the mesh dimensions along which ``param`` is sharded (empty for
+    a plain tensor): their other ranks hold ``param``'s other rows."""
+    if not is_dtensor(param):
+        return ()
+    mesh = param.device_mesh
+    return tuple(mesh.get_group(dim) for dim, placement in enumerate(param.placements)
+                 if placement.is_shard())
+
+
+def sum_across_shards(tensor: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """``tensor`` summed in place over the ranks of each of ``groups`` (``shard_groups``)."""
+    for group in groups:
+        torch.distributed.all_reduce(tensor, group=group)
+    return tensor
+
+
+def factored_from_float(values: torch.Tensor, dtype: torch.dtype):
+    """A float moment (a DTensor of the shards' values, or a plain tensor) factored into a
+    ``FactoredState`` laid out the same way: row means of this rank's rows, column means over
+    every rank's (collective: every rank of the mesh calls it, as it loads the same state dict)."""
+    groups = shard_groups(values)
+    rows = factor_shape(values.shape)[0]
+    return _like(values, lambda shard: FactoredState.zeros(
+        shard.shape, device=shard.device, dtype=dtype).factor_(
+        shard, all_rows=rows, sum_columns=lambda sums: sum_across_shards(sums, groups)))

@@ -27,7 +27,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from lowbit_optim.factored_state import normalized_columns
+from lowbit_optim.factored_state import factor_shape, normalized_columns
 from lowbit_optim.functional import (
     bias_corrections,
     compute_dtype,
@@ -145,53 +145,103 @@ def _call(function, compiled: bool, dynamic_dims: dict, *args, **kwargs):
         return function(*args, **kwargs)
 
 
-def run_factored_step(backend: str, entry, hyper, scratch, *, maximize: bool,
-                      stochastic_round: bool, decoupled_weight_decay: bool) -> None:
-    """Update one parameter with a 4-bit first moment and a ``FactoredState`` second moment
-    in place, with ``"compile"`` or ``"eager"`` (``entry``: a ``backends.ParamStep``;
-    ``hyper``: a ``functional.StepScalars``)."""
-    from lowbit_optim.backends import CHUNK_ELEMENTS, for_each_block_chunk  # (an import cycle)
+class FactoredParams:
+    """The factored parameters of one ``backends.AdamWPlan``, stepped together in place with
+    ``"compile"`` or ``"eager"``: every parameter's statistics pass first, then, for FSDP2
+    shards, one all-reduce of all their column sums per set of process groups (each rank
+    holds other rows: ``distributed.sum_across_shards``), then every update pass.
 
-    param, grad, exp_avg, factored, _, _ = entry
-    lr, beta1, beta2, eps, weight_decay, step = hyper
-    compiled = backend == "compile"
-    if compiled:
-        statistics_step, update_step = compiled_functions(exp_avg.format)
-    else:
-        statistics_step, update_step = second_moment_sums, factored_adamw_step
-    flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+    ``entries``: ``(index, ParamStep)`` of this rank's tensors, indices into the plan's
+    gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
+    FSDP2), which say across which ranks the rows are split and how many there are in all.
+    The column sums and the normalised columns live in buffers kept from step to step.
+    """
 
-    rows, columns = factored.row.numel(), factored.col.numel()
-    param_matrix = param.detach().reshape(rows, columns)  # read only (L2 weight decay)
-    grad_matrix = grad.detach().reshape(rows, columns)
+    def __init__(self, entries: list, params: list[torch.Tensor]):
+        from lowbit_optim import distributed  # imports torch.distributed's DTensor
 
-    # Pass 1: the statistics, a bounded chunk of rows at a time.
-    chunk_rows = max(1, CHUNK_ELEMENTS // columns)
-    column_sums = None
-    for first in range(0, rows, chunk_rows):
-        chunk = slice(first, min(first + chunk_rows, rows))
-        row_sums, chunk_column_sums = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
-                                            param_matrix[chunk], grad_matrix[chunk], beta2,
-                                            weight_decay, **flags)
-        factored.row[chunk].mul_(beta2).add_(row_sums / columns)
-        column_sums = chunk_column_sums if column_sums is None else column_sums.add_(chunk_column_sums)
-    factored.col.mul_(beta2).add_(column_sums / rows)
+        self.entries = entries
+        self.all_rows = [factor_shape(param.shape)[0] for param in params]
+        self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
+        buckets: dict[tuple, list[int]] = {}
+        for position, ((_, entry), param) in enumerate(zip(entries, params)):
+            key = (distributed.shard_groups(param), entry.exp_avg_sq.col.device)
+            buckets.setdefault(key, []).append(position)
+        self.column_sums: list[torch.Tensor | None] = [None] * len(entries)
+        self.reductions = []  # (flat column sums, process groups) for sharded parameters
+        for (groups, device), positions in buckets.items():
+            lengths = [entries[p][1].exp_avg_sq.col.numel() for p in positions]
+            flat = torch.zeros(sum(lengths), device=device)
+            for position, view in zip(positions, flat.split(lengths)):
+                self.column_sums[position] = view
+            if groups:
+                self.reductions.append((flat, groups))
 
-    # Pass 2: the update, a bounded chunk of whole quantization blocks at a time.
-    bias_correction1, bias_correction2_sqrt = bias_corrections(beta1, beta2, step)
-    scalars = (lr, beta1, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-               adam_ratio_bound(beta1, beta2, step))
-    col_normalized = normalized_columns(factored.col)
-    # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
-    # no tensor is made per step, and no size becomes a guarded constant.
-    columns_scalar = scratch.index_scalar("columns").fill_(columns)
-    first_element_scalar = scratch.index_scalar("first_element")
-    options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
-    dynamic = {index: (0,) for index in range(6)}
+    def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, *, maximize: bool,
+            stochastic_round: bool, decoupled_weight_decay: bool) -> None:
+        """One step of every factored parameter (``hyper``: a ``functional.StepScalars``
+        whose ``step`` is ignored: each entry has its own)."""
+        from lowbit_optim import distributed
 
-    def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
-        _call(update_step, compiled, dynamic, param_blocks, grad_blocks, exp_avg.codes[block_rows],
-              exp_avg.scales[block_rows], factored.row, col_normalized,
-              first_element_scalar.fill_(first_element), columns_scalar, *scalars, **options)
+        flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        for position, (index, entry) in enumerate(self.entries):
+            self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper.beta2,
+                                        hyper.weight_decay, self.column_sums[position], flags)
+        for flat, groups in self.reductions:
+            distributed.sum_across_shards(flat, groups)
+        for position, (index, entry) in enumerate(self.entries):
+            factored = entry.exp_avg_sq
+            factored.col.mul_(hyper.beta2).add_(self.column_sums[position].div_(self.all_rows[position]))
+            normalized_columns(factored.col, out=self.normalized_columns[position])
+            self._update(backend, entry._replace(grad=grads[index]), hyper._replace(step=entry.step),
+                         self.normalized_columns[position], scratch,
+                         stochastic_round=stochastic_round, flags=flags)
 
-    for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
+    @staticmethod
+    def _accumulate_statistics(backend, entry, beta2, weight_decay, column_sums, flags) -> None:
+        """Pass 1: this step's row statistics (in place), and this shard's column sums of
+        ``(1 - beta2) * g**2`` into ``column_sums``, a bounded chunk of rows at a time."""
+        from lowbit_optim.backends import CHUNK_ELEMENTS  # (an import cycle)
+
+        compiled = backend == "compile"
+        statistics_step = compiled_functions(entry.exp_avg.format)[0] if compiled else second_moment_sums
+        factored = entry.exp_avg_sq
+        rows, columns = factored.row.numel(), factored.col.numel()
+        param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
+        grad_matrix = entry.grad.detach().reshape(rows, columns)
+        column_sums.zero_()
+        chunk_rows = max(1, CHUNK_ELEMENTS // columns)
+        for first in range(0, rows, chunk_rows):
+            chunk = slice(first, min(first + chunk_rows, rows))
+            row_sums, chunk_column_sums = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
+                                                param_matrix[chunk], grad_matrix[chunk], beta2,
+                                                weight_decay, **flags)
+            factored.row[chunk].mul_(beta2).add_(row_sums.div_(columns))
+            column_sums.add_(chunk_column_sums)
+
+    @staticmethod
+    def _update(backend, entry, hyper, col_normalized, scratch, *, stochastic_round, flags) -> None:
+        """Pass 2: the first moment and the parameter, a bounded chunk of whole quantization
+        blocks at a time."""
+        from lowbit_optim.backends import for_each_block_chunk  # (an import cycle)
+
+        param, grad, exp_avg, factored, _, _ = entry
+        lr, beta1, beta2, eps, weight_decay, step = hyper
+        compiled = backend == "compile"
+        update_step = compiled_functions(exp_avg.format)[1] if compiled else factored_adamw_step
+        bias_correction1, bias_correction2_sqrt = bias_corrections(beta1, beta2, step)
+        scalars = (lr, beta1, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+                   adam_ratio_bound(beta1, beta2, step))
+        # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
+        # no tensor is made per step, and no size becomes a guarded constant.
+        columns_scalar = scratch.index_scalar("columns").fill_(factored.col.numel())
+        first_element_scalar = scratch.index_scalar("first_element")
+        options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
+        dynamic = {index: (0,) for index in range(6)}
+
+        def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
+            _call(update_step, compiled, dynamic, param_blocks, grad_blocks, exp_avg.codes[block_rows],
+                  exp_avg.scales[block_rows], factored.row, col_normalized,
+                  first_element_scalar.fill_(first_element), columns_scalar, *scalars, **options)
+
+        for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)

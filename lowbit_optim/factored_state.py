@@ -13,7 +13,10 @@ and looks like a tensor of the parameter's shape and dtype, so that ``state_dict
 ``load_state_dict``'s dtype cast, ``torch.save`` and ``copy.deepcopy`` handle it. Supported
 aten ops: ``detach``/``alias`` (same vectors), ``clone``, ``_to_copy`` (moves the vectors; a
 dtype cast only relabels), ``copy_`` (float -> state factors the values; state -> float
-reconstructs them), ``zeros_like``/``empty_like``, ``equal``, ``is_pinned``.
+reconstructs them), ``zeros_like``/``empty_like``, ``equal``, ``is_pinned``, ``slice`` along
+dim 0 (whole rows: a view of those rows' statistics and the same columns' — how
+``torch.distributed.checkpoint`` reshards an FSDP2 moment), and ``constant_pad_nd`` /
+``all_gather_into_tensor`` on the reconstructed values (DTensor's ``full_tensor()``).
 """
 
 import torch
@@ -37,10 +40,10 @@ def reconstruct(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     return row[:, None] * normalized_columns(col)[None, :]
 
 
-def normalized_columns(col: torch.Tensor) -> torch.Tensor:
+def normalized_columns(col: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``col / mean(col)``, or zeros when ``col`` is all zero (no gradient seen yet: the
-    clamp turns 0 / 0 into 0 / tiny)."""
-    return col / col.mean().clamp_min(torch.finfo(torch.float32).tiny)
+    clamp turns 0 / 0 into 0 / tiny); into ``out`` if given (the step reuses one buffer)."""
+    return torch.div(col, col.mean().clamp_min(torch.finfo(torch.float32).tiny), out=out)
 
 
 class FactoredState(torch.Tensor):
@@ -79,8 +82,13 @@ class FactoredState(torch.Tensor):
         """The second moment these factors stand for, shaped like the parameter."""
         return reconstruct(self.row, self.col).view(self.shape).to(dtype or self.dtype)
 
-    def factor_(self, tensor: torch.Tensor) -> "FactoredState":
-        """Store the row and column means of ``tensor`` (same shape) into these factors."""
+    def factor_(self, tensor: torch.Tensor, *, all_rows: int | None = None,
+                sum_columns=None) -> "FactoredState":
+        """Store the row and column means of ``tensor`` (same shape) into these factors.
+
+        For a shard holding some of a matrix's rows (FSDP2), ``sum_columns`` adds the column
+        sums of every shard in place (an all-reduce) and ``all_rows`` is the whole matrix's
+        row count, so that the columns are means over all of its rows."""
         if tensor.shape != self.shape:
             raise ValueError(
                 f"cannot factor a tensor of shape {tuple(tensor.shape)} into a state of shape "
@@ -88,7 +96,10 @@ class FactoredState(torch.Tensor):
             )
         matrix = tensor.detach().to(device=self.row.device, dtype=torch.float32).reshape(self.row.numel(), -1)
         self.row.copy_(matrix.mean(dim=1))
-        self.col.copy_(matrix.mean(dim=0))
+        if sum_columns is None:
+            self.col.copy_(matrix.mean(dim=0))
+        else:
+            self.col.copy_(sum_columns(matrix.sum(dim=0)).div_(all_rows))
         return self
 
     def _relabel(self, row=None, col=None, dtype=None):
@@ -171,6 +182,49 @@ def _is_pinned(state, device=None):
     return state.row.is_pinned() and state.col.is_pinned()
 
 
+def _view(state, shape):
+    """The same statistics under another shape with the same last dimension (the factored
+    matrix is unchanged); ``DTensor.from_local`` views its local tensor as itself."""
+    shape = list(shape)
+    if -1 in shape:
+        known = -torch.Size(shape).numel()  # product of the other dimensions
+        shape[shape.index(-1)] = state.numel() // known if known else 0
+    shape = torch.Size(shape)
+    if len(shape) < 2 or shape[-1] != state.shape[-1] or shape.numel() != state.numel():
+        raise NotImplementedError(
+            f"FactoredState can be viewed only with the same last dimension and size (got "
+            f"{tuple(shape)} for {tuple(state.shape)}): its statistics are per row and column"
+        )
+    return FactoredState(state.row, state.col, shape, state.dtype)
+
+
+def _slice(state, dim=0, start=None, end=None, step=1):
+    """Indices ``[start, end)`` of dim 0: whole rows of the factored matrix, so a view of
+    their row statistics with every column's. ``torch.distributed.checkpoint`` narrows saved
+    and target moments this way when it loads FSDP2 shards with another sharding."""
+    shape = list(state.shape)
+    if dim % len(shape) != 0 or step != 1:
+        raise NotImplementedError(
+            f"FactoredState supports slices of whole rows only (dim 0, step 1; got dim={dim}, "
+            f"step={step} on shape {tuple(shape)}); call .dequantize() first"
+        )
+    start, end, _ = slice(start, end).indices(shape[0])
+    end = max(start, end)
+    rows_per_index = torch.Size(shape[1:-1]).numel()
+    shape[0] = end - start
+    return FactoredState(state.row[start * rows_per_index:end * rows_per_index], state.col,
+                         torch.Size(shape), state.dtype)
+
+
+def _on_values(func):
+    """A handler for an op that only reads: it runs on the reconstructed values and returns a
+    plain tensor (DTensor's ``full_tensor()`` pads uneven shards and all-gathers them)."""
+    def handler(*args, **kwargs):
+        return func(*[arg.dequantize() if isinstance(arg, FactoredState) else arg for arg in args],
+                    **kwargs)
+    return handler
+
+
 _HANDLERS = {
     aten.detach.default: _detach,
     aten.alias.default: _detach,
@@ -181,6 +235,14 @@ _HANDLERS = {
     aten.empty_like.default: _zeros_like,
     aten.equal.default: _equal,
     aten.is_pinned.default: _is_pinned,
+    aten.slice.Tensor: _slice,
+    aten.view.default: _view,
+    aten.reshape.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.constant_pad_nd.default: _on_values(aten.constant_pad_nd.default),
+    torch.ops._c10d_functional.all_gather_into_tensor.default: _on_values(
+        torch.ops._c10d_functional.all_gather_into_tensor.default
+    ),
 }
 
 torch.serialization.add_safe_globals([FactoredState])

@@ -13,7 +13,6 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim import backends, checkpoint, distributed
-from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.functional import compute_dtype
 from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
 from lowbit_optim.quant.formats import QuantFormat
@@ -167,7 +166,7 @@ class LowBitAdamW(Optimizer):
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in self.moment_keys(group):
             if self.is_factored(param, group, key):
-                state[key] = FactoredState.zeros(param.shape, device=param.device, dtype=param.dtype)
+                state[key] = distributed.zeros_factored_state(param)
             elif self.is_quantized(param, group):
                 state[key] = distributed.zeros_state(param, self.moment_format(key), group["block_size"])
             else:

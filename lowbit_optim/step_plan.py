@@ -105,7 +105,7 @@ class GroupPlan:
                                local(s.get("max_exp_avg_sq")), s["step"])
             for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
         ]
-        self.adamw = backends.AdamWPlan(entries, backend)
+        self.adamw = backends.AdamWPlan(entries, backend, self.with_grad)
 
     def gradients(self, params: list[torch.Tensor], state: dict, backend: str) -> list[torch.Tensor] | None:
         """The gradients to step with (of the parameters that have one, in order), or ``None``
