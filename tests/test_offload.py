@@ -3,8 +3,10 @@ without offload.
 
 Without a GPU the "device" is the CPU: parameters and gradients still travel between distinct
 tensors through the real hooks and bookkeeping, so each user pattern below is compared with
-the plain optimizer on an identical model, bit for bit (same process, same threads, hence the
-same gradients). The ``cuda`` tests check the real device path when a GPU is present.
+the plain optimizer on an identical model, bit for bit. Both get the same gradients from one
+place (``Gradients``: computed once, replayed into each model through backward), so equality
+tests the optimizers, not the determinism of the model's kernels. The ``cuda`` tests check the
+real device path when a GPU is present.
 """
 
 import copy
@@ -44,8 +46,31 @@ def batch(step, micro=0, device="cpu"):
     return torch.randn(8, 64, generator=generator).to(device)
 
 
+def loss(model, step, micro=0):
+    return model(batch(step, micro, next(model.parameters()).device)).square().mean()
+
+
 def backward(model, step, micro=0):
-    model(batch(step, micro, next(model.parameters()).device)).square().mean().backward()
+    loss(model, step, micro).backward()
+
+
+class Gradients:
+    """Each (step, micro-batch)'s gradients, computed once by the first model that asks and
+    replayed into every model after: the runs compared for equality take their inputs from
+    one place instead of recomputing them (equal only while the models are, and only with
+    deterministic kernels)."""
+
+    def __init__(self):
+        self.recorded = {}
+
+    def backward(self, model, step, micro=0):
+        params = [param for param in model.parameters() if param.requires_grad]
+        if (step, micro) not in self.recorded:
+            self.recorded[step, micro] = torch.autograd.grad(loss(model, step, micro), params)
+        # d/dp sum(p * g) is 1.0 * g, so g bit for bit; a real backward, so autograd
+        # accumulates and runs the post-accumulate-grad hooks the offload relies on.
+        torch.autograd.backward([(param * grad).sum()
+                                 for param, grad in zip(params, self.recorded[step, micro], strict=True)])
 
 
 def twins(name="AdamW4bit", *, model_fn=small_model, groups=None, offload_gradients=False, **extra):
@@ -74,11 +99,14 @@ def assert_same_state(state_dict_a, state_dict_b):
             assert type(value) is type(other) and torch.equal(value, other), (index, key)
 
 
-def train(pairs, steps=range(STEPS), *, clip=None, micro_batches=1):
+def train(pairs, steps=range(STEPS), *, clip=None, micro_batches=1, gradients=None):
+    """Train each (model, optimizer, scheduler) in turn on ``gradients`` (a new source unless
+    given: pass one to several calls whose runs are compared)."""
+    gradients = gradients or Gradients()
     for step in steps:
         for model, optimizer, scheduler in pairs:
             for micro in range(micro_batches):
-                backward(model, step, micro)
+                gradients.backward(model, step, micro)
             if clip == "device":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             elif clip == "helper":
@@ -210,11 +238,12 @@ def test_named_parameters_with_a_frozen_one():
 
 def test_zero_grad_without_set_to_none_and_hand_set_gradients():
     (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit")
+    gradients = Gradients()
     for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
-        backward(model, 0)
+        gradients.backward(model, 0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        backward(model, 1)
+        gradients.backward(model, 1)
         model[3].bias.grad = torch.full_like(model[3].bias, 0.5)  # no hook sees this one
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -225,29 +254,35 @@ def test_zero_grad_without_set_to_none_and_hand_set_gradients():
 def test_device_weights_loaded_after_the_optimizer_was_built():
     (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit")
     weights = {key: value + 0.5 for key, value in small_model().state_dict().items()}
+    gradients = Gradients()
     for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
         model.load_state_dict(weights)
-        train([(model, optimizer, None)], range(2))
+        train([(model, optimizer, None)], range(2), gradients=gradients)
     assert_same_params(plain_model, offload_model)
 
 
 # --- checkpoints ------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["offloaded_to_offloaded", "offloaded_to_plain", "plain_to_offloaded"])
 def test_resume_from_a_checkpoint_is_bit_exact(route):
+    optimizer_class = AdamW4bit
     (reference_model, reference), (model, optimizer) = twins("AdamW4bit")
-    train([(reference_model, reference, None)])  # uninterrupted
-    first = optimizer if route.startswith("offloaded") else AdamW4bit(model.parameters(), lr=1e-2, **LOWBIT)
-    train([(model, first, None)], range(STEPS // 2))
+    gradients = Gradients()
+    train([(reference_model, reference, None)], gradients=gradients)  # uninterrupted
+    if route.startswith("offloaded"):
+        first = optimizer
+    else:
+        first = optimizer_class(model.parameters(), lr=1e-2, **LOWBIT)
+    train([(model, first, None)], range(STEPS // 2), gradients=gradients)
     saved_weights, saved_state = copy.deepcopy(model.state_dict()), copy.deepcopy(first.state_dict())
 
     resumed_model = small_model()
     resumed_model.load_state_dict(saved_weights)
     if route.endswith("to_plain"):
-        resumed = AdamW4bit(resumed_model.parameters(), lr=1e-2, **LOWBIT)
+        resumed = optimizer_class(resumed_model.parameters(), lr=1e-2, **LOWBIT)
     else:
-        resumed = CPUOffloadOptimizer(resumed_model.parameters(), AdamW4bit, lr=1e-2, **LOWBIT)
+        resumed = CPUOffloadOptimizer(resumed_model.parameters(), optimizer_class, lr=1e-2, **LOWBIT)
     resumed.load_state_dict(saved_state)
-    train([(resumed_model, resumed, None)], range(STEPS // 2, STEPS))
+    train([(resumed_model, resumed, None)], range(STEPS // 2, STEPS), gradients=gradients)
     assert_same_params(reference_model, resumed_model)
     assert_same_state(reference.state_dict(), resumed.state_dict())
 
