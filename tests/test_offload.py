@@ -22,16 +22,30 @@ import textwrap
 import pytest
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, CPUOffloadOptimizer, QuantizedState
+from lowbit_optim import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFactored4bit,
+    AdamWFp8,
+    CPUOffloadOptimizer,
+    FactoredState,
+    QuantizedState,
+)
 
 STEPS = 4
-# min_quant_size=1024 quantizes both weight matrices of the model below (4096 elements).
+# min_quant_size=1024 quantizes both weight matrices of the model below (4096 elements), and
+# AdamWFactored4bit factors their second moments (64 + 64 statistics each).
 LOWBIT = dict(min_quant_size=1024, backend="eager")
 OPTIMIZERS = {
     "AdamW4bit": (AdamW4bit, LOWBIT),
     "AdamW8bit": (AdamW8bit, LOWBIT),
+    "AdamWFactored4bit": (AdamWFactored4bit, LOWBIT),
+    "AdamWFp8": (AdamWFp8, LOWBIT),
     "torch_AdamW": (torch.optim.AdamW, dict(fused=True)),
 }
+LOWBIT_NAMES = [name for name in OPTIMIZERS if name != "torch_AdamW"]
+# The weights' second moment in each format (the first moment is always a QuantizedState).
+EXP_AVG_SQ_TYPE = {"AdamWFactored4bit": FactoredState}
 
 
 def small_model(device="cpu"):
@@ -135,26 +149,38 @@ def test_training_loop_with_scheduler_matches_the_optimizer_without_offload(name
     assert float(offloaded.param_groups[0]["lr"]) == float(plain.param_groups[0]["lr"])
 
 
-def test_state_lives_on_the_host_in_our_formats():
-    _, (model, offloaded) = twins("AdamW4bit")
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
+def test_state_lives_on_the_host_in_our_formats(name):
+    _, (model, offloaded) = twins(name)
     train([(model, offloaded, None)], range(1))
     weight = model[0].weight
     host = offloaded.host_param(weight)
     assert host is not weight and host.data_ptr() != weight.data_ptr()
     state = offloaded.state[host]
-    assert isinstance(state["exp_avg"], QuantizedState) and state["exp_avg"].device.type == "cpu"
+    assert type(state["exp_avg"]) is QuantizedState
+    assert type(state["exp_avg_sq"]) is EXP_AVG_SQ_TYPE.get(name, QuantizedState)
+    for key in ("exp_avg", "exp_avg_sq"):  # the wrapper's device and every tensor it holds
+        inner_names, _ = state[key].__tensor_flatten__()
+        assert {getattr(state[key], inner).device.type for inner in inner_names} == {"cpu"}, key
     assert weight not in offloaded.state
 
 
-def test_param_groups_with_their_own_hyperparameters():
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
+def test_param_groups_with_their_own_hyperparameters(name):
     def groups(model):
+        # The last group's min_quant_size keeps its weight's moments in float32 (and so
+        # unfactored): one optimizer holding both kinds of state.
         return [{"params": list(model[0].parameters()), "lr": 3e-2, "weight_decay": 0.0},
-                {"params": list(model[2].parameters()) + list(model[3].parameters())}]
+                {"params": list(model[2].parameters()) + list(model[3].parameters()),
+                 "min_quant_size": 8192}]
 
-    (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit", groups=groups)
+    (plain_model, plain), (offload_model, offloaded) = twins(name, groups=groups)
     train([(plain_model, plain, None), (offload_model, offloaded, None)])
     assert_same_params(plain_model, offload_model)
     assert [group["weight_decay"] for group in offloaded.param_groups] == [0.0, 1e-2]
+    assert_same_state(plain.state_dict(), offloaded.state_dict())
+    last_weight = offloaded.state[offloaded.host_param(offload_model[3].weight)]
+    assert type(last_weight["exp_avg_sq"]) is torch.Tensor
 
 
 def test_add_param_group_and_step_hooks():
@@ -262,10 +288,11 @@ def test_device_weights_loaded_after_the_optimizer_was_built():
 
 
 # --- checkpoints ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
 @pytest.mark.parametrize("route", ["offloaded_to_offloaded", "offloaded_to_plain", "plain_to_offloaded"])
-def test_resume_from_a_checkpoint_is_bit_exact(route):
-    optimizer_class = AdamW4bit
-    (reference_model, reference), (model, optimizer) = twins("AdamW4bit")
+def test_resume_from_a_checkpoint_is_bit_exact(route, name):
+    optimizer_class = OPTIMIZERS[name][0]
+    (reference_model, reference), (model, optimizer) = twins(name)
     gradients = Gradients()
     train([(reference_model, reference, None)], gradients=gradients)  # uninterrupted
     if route.startswith("offloaded"):
@@ -287,18 +314,21 @@ def test_resume_from_a_checkpoint_is_bit_exact(route):
     assert_same_state(reference.state_dict(), resumed.state_dict())
 
 
-def test_torch_adamw_checkpoints_convert_both_ways():
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
+def test_torch_adamw_checkpoints_convert_both_ways(name):
     from lowbit_optim.checkpoint import to_torch_adamw
 
     torch_model, offload_model = small_model(), small_model()
     torch_adamw = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
-    offloaded = CPUOffloadOptimizer(offload_model.parameters(), AdamW8bit, lr=1e-2, **LOWBIT)
+    offloaded = CPUOffloadOptimizer(offload_model.parameters(), OPTIMIZERS[name][0], lr=1e-2, **LOWBIT)
     train([(torch_model, torch_adamw, None), (offload_model, offloaded, None)], range(2))
     offloaded.load_state_dict(torch_adamw.state_dict())  # fp32 moments quantized on the way in
-    assert isinstance(offloaded.state[offloaded.host_param(offload_model[0].weight)]["exp_avg"],
-                      QuantizedState)
+    state = offloaded.state[offloaded.host_param(offload_model[0].weight)]
+    assert type(state["exp_avg"]) is QuantizedState
+    assert type(state["exp_avg_sq"]) is EXP_AVG_SQ_TYPE.get(name, QuantizedState)
     torch_adamw.load_state_dict(to_torch_adamw(offloaded.state_dict()))
-    assert torch_adamw.state[torch_model[0].weight]["exp_avg"].dtype == torch.float32
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch_adamw.state[torch_model[0].weight][key].dtype == torch.float32, key
 
 
 def test_state_dict_hooks_run():
@@ -451,12 +481,13 @@ def exact_backward(params, step):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
 @pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads_on_device", "offload_gradients"])
-def test_cuda_training_matches_the_cpu_offload_bit_for_bit(offload_gradients):
+def test_cuda_training_matches_the_cpu_offload_bit_for_bit(offload_gradients, name):
     runs = {}
     for device in ("cuda", "cpu"):
         params = exact_gradient_model(device)
-        optimizer = CPUOffloadOptimizer(params, AdamW4bit, offload_gradients=offload_gradients,
+        optimizer = CPUOffloadOptimizer(params, OPTIMIZERS[name][0], offload_gradients=offload_gradients,
                                         lr=1e-2, **LOWBIT)
         for step in range(STEPS):
             exact_backward(params, step)
