@@ -61,9 +61,9 @@ class CPUOffloadOptimizer(Optimizer):
     Args:
         params: parameters or param groups, as for any ``torch.optim`` optimizer. Parameters
             with ``requires_grad=False`` are skipped (no host copy, no state).
-        optimizer_class: ``AdamW8bit``, ``AdamW4bit``, ``LowBitAdamW`` subclasses or
-            ``torch.optim.AdamW`` (which gets ``fused=True`` unless told otherwise, as in
-            torchao: the fused CPU kernel is the fast one).
+        optimizer_class: ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``, ``AdamWFactored4bit``
+            (any ``LowBitAdamW`` subclass) or ``torch.optim.AdamW`` (which gets ``fused=True``
+            unless told otherwise, as in torchao: the fused CPU kernel is the fast one).
         offload_gradients: free each device gradient once it is copied. The host buffer then
             holds the gradient: micro-batches are summed on the host, and clipping must use
             ``clip_grad_norm_`` of this optimizer (device gradients are gone).

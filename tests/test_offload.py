@@ -3,8 +3,10 @@ without offload.
 
 Without a GPU the "device" is the CPU: parameters and gradients still travel between distinct
 tensors through the real hooks and bookkeeping, so each user pattern below is compared with
-the plain optimizer on an identical model, bit for bit (same process, same threads, hence the
-same gradients). The ``cuda`` tests check the real device path when a GPU is present.
+the plain optimizer on an identical model, bit for bit. Both get the same gradients from one
+place (``Gradients``: computed once, replayed into each model through backward), so equality
+tests the optimizers, not the determinism of the model's kernels. The ``cuda`` tests check the
+real device path when a GPU is present.
 """
 
 import copy
@@ -20,16 +22,30 @@ import textwrap
 import pytest
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, CPUOffloadOptimizer, QuantizedState
+from lowbit_optim import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFactored4bit,
+    AdamWFp8,
+    CPUOffloadOptimizer,
+    FactoredState,
+    QuantizedState,
+)
 
 STEPS = 4
-# min_quant_size=1024 quantizes both weight matrices of the model below (4096 elements).
+# min_quant_size=1024 quantizes both weight matrices of the model below (4096 elements), and
+# AdamWFactored4bit factors their second moments (64 + 64 statistics each).
 LOWBIT = dict(min_quant_size=1024, backend="eager")
 OPTIMIZERS = {
     "AdamW4bit": (AdamW4bit, LOWBIT),
     "AdamW8bit": (AdamW8bit, LOWBIT),
+    "AdamWFactored4bit": (AdamWFactored4bit, LOWBIT),
+    "AdamWFp8": (AdamWFp8, LOWBIT),
     "torch_AdamW": (torch.optim.AdamW, dict(fused=True)),
 }
+LOWBIT_NAMES = [name for name in OPTIMIZERS if name != "torch_AdamW"]
+# The weights' second moment in each format (the first moment is always a QuantizedState).
+EXP_AVG_SQ_TYPE = {"AdamWFactored4bit": FactoredState}
 
 
 def small_model(device="cpu"):
@@ -44,8 +60,31 @@ def batch(step, micro=0, device="cpu"):
     return torch.randn(8, 64, generator=generator).to(device)
 
 
+def loss(model, step, micro=0):
+    return model(batch(step, micro, next(model.parameters()).device)).square().mean()
+
+
 def backward(model, step, micro=0):
-    model(batch(step, micro, next(model.parameters()).device)).square().mean().backward()
+    loss(model, step, micro).backward()
+
+
+class Gradients:
+    """Each (step, micro-batch)'s gradients, computed once by the first model that asks and
+    replayed into every model after: the runs compared for equality take their inputs from
+    one place instead of recomputing them (equal only while the models are, and only with
+    deterministic kernels)."""
+
+    def __init__(self):
+        self.recorded = {}
+
+    def backward(self, model, step, micro=0):
+        params = [param for param in model.parameters() if param.requires_grad]
+        if (step, micro) not in self.recorded:
+            self.recorded[step, micro] = torch.autograd.grad(loss(model, step, micro), params)
+        # d/dp sum(p * g) is 1.0 * g, so g bit for bit; a real backward, so autograd
+        # accumulates and runs the post-accumulate-grad hooks the offload relies on.
+        torch.autograd.backward([(param * grad).sum()
+                                 for param, grad in zip(params, self.recorded[step, micro], strict=True)])
 
 
 def twins(name="AdamW4bit", *, model_fn=small_model, groups=None, offload_gradients=False, **extra):
@@ -74,11 +113,14 @@ def assert_same_state(state_dict_a, state_dict_b):
             assert type(value) is type(other) and torch.equal(value, other), (index, key)
 
 
-def train(pairs, steps=range(STEPS), *, clip=None, micro_batches=1):
+def train(pairs, steps=range(STEPS), *, clip=None, micro_batches=1, gradients=None):
+    """Train each (model, optimizer, scheduler) in turn on ``gradients`` (a new source unless
+    given: pass one to several calls whose runs are compared)."""
+    gradients = gradients or Gradients()
     for step in steps:
         for model, optimizer, scheduler in pairs:
             for micro in range(micro_batches):
-                backward(model, step, micro)
+                gradients.backward(model, step, micro)
             if clip == "device":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             elif clip == "helper":
@@ -107,26 +149,38 @@ def test_training_loop_with_scheduler_matches_the_optimizer_without_offload(name
     assert float(offloaded.param_groups[0]["lr"]) == float(plain.param_groups[0]["lr"])
 
 
-def test_state_lives_on_the_host_in_our_formats():
-    _, (model, offloaded) = twins("AdamW4bit")
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
+def test_state_lives_on_the_host_in_our_formats(name):
+    _, (model, offloaded) = twins(name)
     train([(model, offloaded, None)], range(1))
     weight = model[0].weight
     host = offloaded.host_param(weight)
     assert host is not weight and host.data_ptr() != weight.data_ptr()
     state = offloaded.state[host]
-    assert isinstance(state["exp_avg"], QuantizedState) and state["exp_avg"].device.type == "cpu"
+    assert type(state["exp_avg"]) is QuantizedState
+    assert type(state["exp_avg_sq"]) is EXP_AVG_SQ_TYPE.get(name, QuantizedState)
+    for key in ("exp_avg", "exp_avg_sq"):  # the wrapper's device and every tensor it holds
+        inner_names, _ = state[key].__tensor_flatten__()
+        assert {getattr(state[key], inner).device.type for inner in inner_names} == {"cpu"}, key
     assert weight not in offloaded.state
 
 
-def test_param_groups_with_their_own_hyperparameters():
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
+def test_param_groups_with_their_own_hyperparameters(name):
     def groups(model):
+        # The last group's min_quant_size keeps its weight's moments in float32 (and so
+        # unfactored): one optimizer holding both kinds of state.
         return [{"params": list(model[0].parameters()), "lr": 3e-2, "weight_decay": 0.0},
-                {"params": list(model[2].parameters()) + list(model[3].parameters())}]
+                {"params": list(model[2].parameters()) + list(model[3].parameters()),
+                 "min_quant_size": 8192}]
 
-    (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit", groups=groups)
+    (plain_model, plain), (offload_model, offloaded) = twins(name, groups=groups)
     train([(plain_model, plain, None), (offload_model, offloaded, None)])
     assert_same_params(plain_model, offload_model)
     assert [group["weight_decay"] for group in offloaded.param_groups] == [0.0, 1e-2]
+    assert_same_state(plain.state_dict(), offloaded.state_dict())
+    last_weight = offloaded.state[offloaded.host_param(offload_model[3].weight)]
+    assert type(last_weight["exp_avg_sq"]) is torch.Tensor
 
 
 def test_add_param_group_and_step_hooks():
@@ -210,11 +264,12 @@ def test_named_parameters_with_a_frozen_one():
 
 def test_zero_grad_without_set_to_none_and_hand_set_gradients():
     (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit")
+    gradients = Gradients()
     for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
-        backward(model, 0)
+        gradients.backward(model, 0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        backward(model, 1)
+        gradients.backward(model, 1)
         model[3].bias.grad = torch.full_like(model[3].bias, 0.5)  # no hook sees this one
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -225,45 +280,55 @@ def test_zero_grad_without_set_to_none_and_hand_set_gradients():
 def test_device_weights_loaded_after_the_optimizer_was_built():
     (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit")
     weights = {key: value + 0.5 for key, value in small_model().state_dict().items()}
+    gradients = Gradients()
     for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
         model.load_state_dict(weights)
-        train([(model, optimizer, None)], range(2))
+        train([(model, optimizer, None)], range(2), gradients=gradients)
     assert_same_params(plain_model, offload_model)
 
 
 # --- checkpoints ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
 @pytest.mark.parametrize("route", ["offloaded_to_offloaded", "offloaded_to_plain", "plain_to_offloaded"])
-def test_resume_from_a_checkpoint_is_bit_exact(route):
-    (reference_model, reference), (model, optimizer) = twins("AdamW4bit")
-    train([(reference_model, reference, None)])  # uninterrupted
-    first = optimizer if route.startswith("offloaded") else AdamW4bit(model.parameters(), lr=1e-2, **LOWBIT)
-    train([(model, first, None)], range(STEPS // 2))
+def test_resume_from_a_checkpoint_is_bit_exact(route, name):
+    optimizer_class = OPTIMIZERS[name][0]
+    (reference_model, reference), (model, optimizer) = twins(name)
+    gradients = Gradients()
+    train([(reference_model, reference, None)], gradients=gradients)  # uninterrupted
+    if route.startswith("offloaded"):
+        first = optimizer
+    else:
+        first = optimizer_class(model.parameters(), lr=1e-2, **LOWBIT)
+    train([(model, first, None)], range(STEPS // 2), gradients=gradients)
     saved_weights, saved_state = copy.deepcopy(model.state_dict()), copy.deepcopy(first.state_dict())
 
     resumed_model = small_model()
     resumed_model.load_state_dict(saved_weights)
     if route.endswith("to_plain"):
-        resumed = AdamW4bit(resumed_model.parameters(), lr=1e-2, **LOWBIT)
+        resumed = optimizer_class(resumed_model.parameters(), lr=1e-2, **LOWBIT)
     else:
-        resumed = CPUOffloadOptimizer(resumed_model.parameters(), AdamW4bit, lr=1e-2, **LOWBIT)
+        resumed = CPUOffloadOptimizer(resumed_model.parameters(), optimizer_class, lr=1e-2, **LOWBIT)
     resumed.load_state_dict(saved_state)
-    train([(resumed_model, resumed, None)], range(STEPS // 2, STEPS))
+    train([(resumed_model, resumed, None)], range(STEPS // 2, STEPS), gradients=gradients)
     assert_same_params(reference_model, resumed_model)
     assert_same_state(reference.state_dict(), resumed.state_dict())
 
 
-def test_torch_adamw_checkpoints_convert_both_ways():
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
+def test_torch_adamw_checkpoints_convert_both_ways(name):
     from lowbit_optim.checkpoint import to_torch_adamw
 
     torch_model, offload_model = small_model(), small_model()
     torch_adamw = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
-    offloaded = CPUOffloadOptimizer(offload_model.parameters(), AdamW8bit, lr=1e-2, **LOWBIT)
+    offloaded = CPUOffloadOptimizer(offload_model.parameters(), OPTIMIZERS[name][0], lr=1e-2, **LOWBIT)
     train([(torch_model, torch_adamw, None), (offload_model, offloaded, None)], range(2))
     offloaded.load_state_dict(torch_adamw.state_dict())  # fp32 moments quantized on the way in
-    assert isinstance(offloaded.state[offloaded.host_param(offload_model[0].weight)]["exp_avg"],
-                      QuantizedState)
+    state = offloaded.state[offloaded.host_param(offload_model[0].weight)]
+    assert type(state["exp_avg"]) is QuantizedState
+    assert type(state["exp_avg_sq"]) is EXP_AVG_SQ_TYPE.get(name, QuantizedState)
     torch_adamw.load_state_dict(to_torch_adamw(offloaded.state_dict()))
-    assert torch_adamw.state[torch_model[0].weight]["exp_avg"].dtype == torch.float32
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch_adamw.state[torch_model[0].weight][key].dtype == torch.float32, key
 
 
 def test_state_dict_hooks_run():
@@ -416,12 +481,13 @@ def exact_backward(params, step):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", LOWBIT_NAMES)
 @pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads_on_device", "offload_gradients"])
-def test_cuda_training_matches_the_cpu_offload_bit_for_bit(offload_gradients):
+def test_cuda_training_matches_the_cpu_offload_bit_for_bit(offload_gradients, name):
     runs = {}
     for device in ("cuda", "cpu"):
         params = exact_gradient_model(device)
-        optimizer = CPUOffloadOptimizer(params, AdamW4bit, offload_gradients=offload_gradients,
+        optimizer = CPUOffloadOptimizer(params, OPTIMIZERS[name][0], offload_gradients=offload_gradients,
                                         lr=1e-2, **LOWBIT)
         for step in range(STEPS):
             exact_backward(params, step)
