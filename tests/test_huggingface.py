@@ -9,6 +9,7 @@ file compiles one graph only.
 import copy
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -155,6 +156,14 @@ def test_register_is_idempotent_and_adds_real_enum_members():
         assert member.value == name and member is OptimizerNames[name.upper()]
         assert member is getattr(OptimizerNames, name.upper())
         assert handlers[member] is hf_trainer._OPTIMIZER_HANDLERS[member]
+
+
+def test_every_registered_name_is_in_the_docs():
+    """docs/huggingface.md's tables list exactly the optim names that register() adds."""
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "huggingface.md"
+    documented = set(re.findall(r"^\| `(lowbit_\w+)`", page.read_text(), flags=re.MULTILINE))
+    registered = {member.value for member in OptimizerNames if member.value.startswith("lowbit_")}
+    assert documented == registered == set(BUILDS)
 
 
 def test_import_does_not_import_transformers():
