@@ -1,13 +1,15 @@
 """Hugging Face Trainer integration (issue 6): optim names, optim_args, a real Trainer run, resume.
 
 One 20-step 4-bit Trainer run (compiled) and its resumption from step 10 are shared by the
-tests through module-scoped fixtures; the other routes run 2-3 steps each, the 8-bit ones on
-the eager backend so that the file compiles one graph only.
+tests through module-scoped fixtures; the other routes run 2-4 steps each on the eager backend
+(except the accelerate check's 4-bit optimizer, which reuses the compiled graph), so that the
+file compiles one graph only.
 """
 
 import copy
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -31,11 +33,23 @@ from transformers import (  # noqa: E402
 from transformers import trainer as hf_trainer  # noqa: E402
 from transformers.training_args import OptimizerNames  # noqa: E402
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, FactoredState, QuantizedState  # noqa: E402
-from lowbit_optim.integrations.transformers import OPTIMIZERS, register  # noqa: E402
+from lowbit_optim import (  # noqa: E402
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFactored4bit,
+    CPUOffloadOptimizer,
+    FactoredState,
+    QuantizedState,
+)
+from lowbit_optim.integrations.transformers import OFFLOAD_OPTIMIZERS, OPTIMIZERS, register  # noqa: E402
 
 SEQ_LEN = 64
 STEPS, SAVE_AT, ACCUMULATION, MAX_GRAD_NORM = 20, 10, 2, 2.0
+# Every registered optim name -> (the class Trainer builds, the kwargs our handler adds for it).
+BUILDS = {
+    **{name: (cls, {}) for name, cls in OPTIMIZERS.items()},
+    **{name: (CPUOffloadOptimizer, {"optimizer_class": cls}) for name, cls in OFFLOAD_OPTIMIZERS.items()},
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,11 +151,19 @@ def test_register_is_idempotent_and_adds_real_enum_members():
     assert register() == tuple(OPTIMIZERS)
     assert list(OptimizerNames) == members_before
     assert handlers == handlers_before
-    for name in OPTIMIZERS:
+    for name in BUILDS:
         member = OptimizerNames(name)
         assert member.value == name and member is OptimizerNames[name.upper()]
         assert member is getattr(OptimizerNames, name.upper())
         assert handlers[member] is hf_trainer._OPTIMIZER_HANDLERS[member]
+
+
+def test_every_registered_name_is_in_the_docs():
+    """docs/huggingface.md's tables list exactly the optim names that register() adds."""
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "huggingface.md"
+    documented = set(re.findall(r"^\| `(lowbit_\w+)`", page.read_text(), flags=re.MULTILINE))
+    registered = {member.value for member in OptimizerNames if member.value.startswith("lowbit_")}
+    assert documented == registered == set(BUILDS)
 
 
 def test_import_does_not_import_transformers():
@@ -157,8 +179,8 @@ def test_unsupported_transformers_fails_clearly(monkeypatch):
         register()
 
 
-@pytest.mark.parametrize("name, cls", OPTIMIZERS.items())
-def test_training_arguments_accept_names_and_type_optim_args(tmp_path, name, cls):
+@pytest.mark.parametrize("name", BUILDS)
+def test_training_arguments_accept_names_and_type_optim_args(tmp_path, name):
     args = TrainingArguments(
         output_dir=str(tmp_path), optim=name, report_to="none", use_cpu=True,
         learning_rate=2e-3, adam_beta1=0.8, adam_epsilon=1e-7, weight_decay=0.05,
@@ -167,9 +189,11 @@ def test_training_arguments_accept_names_and_type_optim_args(tmp_path, name, cls
     )
     assert args.to_dict()["optim"] == name
     optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
-    assert optimizer_cls is cls
+    expected_cls, handler_kwargs = BUILDS[name]
+    assert optimizer_cls is expected_cls
     assert kwargs == dict(lr=2e-3, betas=(0.8, 0.999), eps=1e-7, weight_decay=0.05, block_size=128,
-                          min_quant_size=4096, bf16_stochastic_round=True, amsgrad=False, backend="eager")
+                          min_quant_size=4096, bf16_stochastic_round=True, amsgrad=False, backend="eager",
+                          **handler_kwargs)
 
 
 @pytest.mark.parametrize("optim_args, message", [
@@ -225,18 +249,47 @@ def test_state_is_quantized_above_min_quant_size(full_run):
     assert quantized / sum(p.numel() for p in trainer.model.parameters()) > 0.9
 
 
-def test_trainer_with_the_factored_optim_string(tmp_path):
-    """``optim="lowbit_adamw_4bit_factored"``: AdamWFactored4bit, whose 2-D weights (GPT-2's
-    Conv1D and embeddings) get factored second moments, and training runs."""
-    args = training_args(tmp_path, optim="lowbit_adamw_4bit_factored", max_steps=4, save_steps=100)
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=byte_dataset())
-    trainer.train()
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    """``short_runs(optim)``: a 4-step Trainer run with that optim name on the eager backend,
+    run once per module (an ``_offload`` test reuses its plain name's run as the reference)."""
+    runs = {}
+
+    def run(optim):
+        if optim not in runs:
+            args = training_args(tmp_path_factory.mktemp(optim), optim=optim, optim_args="backend=eager",
+                                 max_steps=4, save_strategy="no")
+            runs[optim] = Trainer(model=tiny_gpt2(), args=args, train_dataset=byte_dataset())
+            runs[optim].train()
+        return runs[optim]
+
+    return run
+
+
+@pytest.mark.parametrize("optim", ["lowbit_adamw_4bit_factored", "lowbit_adamw_fp8",
+                                   "lowbit_adamw_4bit_factored_offload", "lowbit_adamw_fp8_offload"])
+def test_trainer_with_the_optim_string(short_runs, optim):
+    """The class behind the name steps Trainer's two groups, with its state formats: factored
+    second moments for AdamWFactored4bit's 2-D weights (GPT-2's Conv1D and embeddings). An
+    ``_offload`` name steps the same class on the host and trains bit-identically to the plain name."""
+    trainer = short_runs(optim)
+    plain = optim.removesuffix("_offload")
     optimizer = inner(trainer.optimizer)
-    assert type(optimizer) is AdamWFactored4bit
-    factored = [p for p in trainer.model.parameters()
-                if isinstance(optimizer.state[p]["exp_avg_sq"], FactoredState)]
-    assert factored and all(p.dim() == 2 and p.numel() >= 4096 for p in factored)
+    assert type(optimizer) is BUILDS[optim][0]
+    host_optimizer = getattr(optimizer, "host_optimizer", optimizer)  # what CPUOffloadOptimizer steps
+    assert type(host_optimizer) is OPTIMIZERS[plain] and len(host_optimizer.param_groups) == 2
+    weights = [p for group in host_optimizer.param_groups for p in group["params"] if p.numel() >= 4096]
+    exp_avg_sq_type = FactoredState if OPTIMIZERS[plain] is AdamWFactored4bit else QuantizedState
+    assert weights and all(p.dim() == 2 for p in weights)
+    for param in weights:
+        state = host_optimizer.state[param]
+        assert int(state["step"]) == 4
+        assert isinstance(state["exp_avg"], QuantizedState) and type(state["exp_avg_sq"]) is exp_avg_sq_type
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    if optim != plain:
+        for (name, expected), actual in zip(short_runs(plain).model.named_parameters(),
+                                            trainer.model.parameters(), strict=True):
+            assert torch.equal(actual, expected), name
 
 
 def test_loss_goes_down(full_run):

@@ -4,9 +4,10 @@
     register()
     args = TrainingArguments(..., optim="lowbit_adamw_4bit", optim_args="block_size=128")
 
-``optim="lowbit_adamw_8bit_offload"`` / ``"lowbit_adamw_4bit_offload"`` train with the state and
-the step on the host (``CPUOffloadOptimizer``, docs/offload.md); their ``optim_args`` also take
-``offload_gradients=true``.
+Each name has an ``_offload`` variant (``"lowbit_adamw_8bit_offload"``, ``"lowbit_adamw_4bit_offload"``,
+``"lowbit_adamw_4bit_factored_offload"``, ``"lowbit_adamw_fp8_offload"``) that trains with the
+state and the step on the host (``CPUOffloadOptimizer``, docs/offload.md); their ``optim_args``
+also take ``offload_gradients=true``.
 
 transformers has no public registry of optimizer names. ``TrainingArguments`` converts
 ``optim`` into a member of the ``OptimizerNames`` enum (an unknown string raises), and
@@ -42,11 +43,10 @@ OPTIMIZERS = {
     "lowbit_adamw_fp8": AdamWFp8,
 }
 
-# optim name -> the optimizer class that CPUOffloadOptimizer steps on the host.
-OFFLOAD_OPTIMIZERS = {
-    "lowbit_adamw_8bit_offload": AdamW8bit,
-    "lowbit_adamw_4bit_offload": AdamW4bit,
-}
+# optim name -> the optimizer class that CPUOffloadOptimizer steps on the host: every class
+# above, as "<name>_offload" (tests/test_offload.py checks each against the same class without
+# offload, bit for bit).
+OFFLOAD_OPTIMIZERS = {f"{name}_offload": optimizer_cls for name, optimizer_cls in OPTIMIZERS.items()}
 
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
