@@ -63,7 +63,8 @@ def load(model, optimizer, path: str) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--optimizer", default="AdamW8bit", choices=["AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamWFactored4bit"])
+    parser.add_argument("--optimizer", default="AdamW8bit",
+                        choices=["AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamWFactored4bit"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "lowbit_fsdp_ckpt"))
     parser.add_argument("--resume-only", action="store_true",

@@ -189,11 +189,19 @@ class FactoredParams:
                                         hyper.weight_decay, self.column_sums[position], flags)
         for flat, groups in self.reductions:
             distributed.sum_across_shards(flat, groups)
+        # The bias corrections and Adam's bound depend on the step count only, which the
+        # parameters of a plan nearly always share: worked out once per count, not per
+        # parameter (a dozen 0-d host operations each).
+        step_scalars = {}
         for position, (index, entry) in enumerate(self.entries):
             factored = entry.exp_avg_sq
             factored.col.mul_(hyper.beta2).add_(self.column_sums[position].div_(self.all_rows[position]))
             normalized_columns(factored.col, out=self.normalized_columns[position])
-            self._update(backend, entry._replace(grad=grads[index]), hyper._replace(step=entry.step),
+            count = float(entry.step)
+            if count not in step_scalars:
+                step_scalars[count] = (*bias_corrections(hyper.beta1, hyper.beta2, entry.step),
+                                       adam_ratio_bound(hyper.beta1, hyper.beta2, entry.step))
+            self._update(backend, entry._replace(grad=grads[index]), hyper, step_scalars[count],
                          self.normalized_columns[position], scratch,
                          stochastic_round=stochastic_round, flags=flags)
 
@@ -220,18 +228,16 @@ class FactoredParams:
             column_sums.add_(chunk_column_sums)
 
     @staticmethod
-    def _update(backend, entry, hyper, col_normalized, scratch, *, stochastic_round, flags) -> None:
+    def _update(backend, entry, hyper, step_scalars, col_normalized, scratch, *, stochastic_round,
+                flags) -> None:
         """Pass 2: the first moment and the parameter, a bounded chunk of whole quantization
-        blocks at a time."""
+        blocks at a time (``step_scalars``: the two bias corrections and Adam's bound)."""
         from lowbit_optim.backends import for_each_block_chunk  # (an import cycle)
 
         param, grad, exp_avg, factored, _, _ = entry
-        lr, beta1, beta2, eps, weight_decay, step = hyper
         compiled = backend == "compile"
         update_step = compiled_functions(exp_avg.format)[1] if compiled else factored_adamw_step
-        bias_correction1, bias_correction2_sqrt = bias_corrections(beta1, beta2, step)
-        scalars = (lr, beta1, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-                   adam_ratio_bound(beta1, beta2, step))
+        scalars = (hyper.lr, hyper.beta1, hyper.eps, hyper.weight_decay, *step_scalars)
         # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
         # no tensor is made per step, and no size becomes a guarded constant.
         columns_scalar = scratch.index_scalar("columns").fill_(factored.col.numel())

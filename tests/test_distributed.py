@@ -594,7 +594,9 @@ def test_one_rank_steps_match_this_process_exactly(runs, fmt, backend):
     thread count in force at compile time into its C++ (``#pragma omp parallel num_threads``)
     and the worker compiled at 1 thread; this process compiled at its own count (the same
     only where that is 1). Exact because the step has no reduction whose result depends on
-    how the work is split: the block absmax is a max, exact in any order."""
+    how the work is split: the block absmax is a max, exact in any order; the factored
+    step's row and column sums are each reduced by one thread at these sizes (each output
+    element's loop is not split), which this test would catch if it changed."""
     run = runs[f"compiled-{fmt}-{backend}"]
     expected = single_process(fmt, recorded=runs[f"compiled-{fmt}-{backend}-steps"], backend=backend,
                               block_size=default_block_size(fmt))
