@@ -256,6 +256,15 @@ def _one_rank_worker(rank: int, port: int, out: str) -> None:
             train(model, optimizer, 2, record=results[f"compiled-{fmt}-{backend}-steps"])
             results[f"compiled-{fmt}-{backend}"] = snapshot(model, optimizer)
 
+    # AdamWFactored4bit sums all of a group's column statistics in one all-reduce per step.
+    model = shard(nn.Sequential(nn.Linear(40, 33), nn.Linear(33, 40), nn.Linear(40, 33)))
+    optimizer = AdamWFactored4bit(model.parameters(), **OPTIONS, backend="eager")
+    results["factored-all-reduces"] = []
+    for step in range(2):
+        model(batch(step)[0]).square().mean().backward()
+        results["factored-all-reduces"].append(all_reduces_in(optimizer.step))
+        optimizer.zero_grad()
+
     # AdamWFactored4bit refuses parameters sharded along their last dim, before any state
     # exists: a factored moment keeps every column of the rows it holds (docs/distributed.md).
     model = make_model()
@@ -267,6 +276,22 @@ def _one_rank_worker(rank: int, port: int, out: str) -> None:
         results["factored-column-shard-error"] = str(error)
     torch.save(results, out / "one-rank.pt")
     dist.destroy_process_group()
+
+
+def all_reduces_in(function) -> list[int]:
+    """``function()``'s calls of ``torch.distributed.all_reduce``: the size of each tensor."""
+    sizes, all_reduce = [], dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        function()
+    finally:
+        dist.all_reduce = all_reduce
+    return sizes
 
 
 def _free_port() -> int:
@@ -603,6 +628,12 @@ def test_one_rank_steps_match_this_process_exactly(runs, fmt, backend):
     for part in ("params", "moments"):
         for key, value in run[part].items():
             assert torch.equal(value, expected[part][key]), key
+
+
+def test_factored_column_sums_of_all_parameters_go_in_one_all_reduce_per_step(runs):
+    """Three factored weights (40, 33 and 40 columns): one all-reduce of 113 column sums per
+    step, not one per parameter."""
+    assert runs["factored-all-reduces"] == [[113], [113]]
 
 
 def test_factored_optimizer_refuses_parameters_sharded_by_columns(runs):
