@@ -12,14 +12,18 @@ Like ``QuantizedState`` it only stores and converts (the step is ``lowbit_optim.
 and looks like a tensor of the parameter's shape and dtype, so that ``state_dict``,
 ``load_state_dict``'s dtype cast, ``torch.save`` and ``copy.deepcopy`` handle it. Supported
 aten ops: ``detach``/``alias`` (same vectors), ``clone``, ``_to_copy`` (moves the vectors; a
-dtype cast only relabels), ``copy_`` (float -> state factors the values; state -> float
-reconstructs them), ``zeros_like``/``empty_like``, ``equal``, ``is_pinned``, ``slice`` along
-dim 0 (whole rows: a view of those rows' statistics and the same columns' — how
-``torch.distributed.checkpoint`` reshards an FSDP2 moment), and ``constant_pad_nd`` /
-``all_gather_into_tensor`` on the reconstructed values (DTensor's ``full_tensor()``).
+dtype cast only relabels), ``is_pinned``, and ``constant_pad_nd`` / ``all_gather_into_tensor``
+on the reconstructed values (DTensor's ``full_tensor()``), all shared with ``QuantizedState``
+(``lowbit_optim.stored_tensor``); and its own ``copy_`` (float -> state factors the values;
+state -> float reconstructs them), ``zeros_like``/``empty_like``, ``equal``,
+``view``/``reshape`` (same last dimension), and ``slice`` along dim 0 (whole rows: a view of
+those rows' statistics and the same columns' — how ``torch.distributed.checkpoint`` reshards
+an FSDP2 moment).
 """
 
 import torch
+
+from lowbit_optim.stored_tensor import SHARED_HANDLERS, StoredTensor, infer_shape
 
 aten = torch.ops.aten
 
@@ -46,7 +50,7 @@ def normalized_columns(col: torch.Tensor, *, out: torch.Tensor | None = None) ->
     return torch.div(col, col.mean().clamp_min(torch.finfo(torch.float32).tiny), out=out)
 
 
-class FactoredState(torch.Tensor):
+class FactoredState(StoredTensor):
     row: torch.Tensor
     col: torch.Tensor
 
@@ -75,9 +79,6 @@ class FactoredState(torch.Tensor):
         return state.factor_(tensor)
 
     # --- properties and conversion ------------------------------------------------------
-    def state_nbytes(self) -> int:
-        return self.row.nbytes + self.col.nbytes
-
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The second moment these factors stand for, shaped like the parameter."""
         return reconstruct(self.row, self.col).view(self.shape).to(dtype or self.dtype)
@@ -102,9 +103,8 @@ class FactoredState(torch.Tensor):
             self.col.copy_(sum_columns(matrix.sum(dim=0)).div_(all_rows))
         return self
 
-    def _relabel(self, row=None, col=None, dtype=None):
-        return FactoredState(self.row if row is None else row, self.col if col is None else col,
-                             self.shape, self.dtype if dtype is None else dtype)
+    def _rebuild(self, inner, shape, dtype):
+        return FactoredState(inner["row"], inner["col"], shape, dtype)
 
     # --- torch.compile / serialization ----------------------------------------------------
     def __tensor_flatten__(self):
@@ -124,35 +124,7 @@ class FactoredState(torch.Tensor):
         return (f"FactoredState(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"rows={self.row.numel()}, columns={self.col.numel()}, device={self.device})")
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = _HANDLERS.get(func)
-        if handler is None:
-            raise NotImplementedError(
-                f"FactoredState does not support {func}: it is AdamWFactored4bit's second moment "
-                "stored as row and column statistics. Call .dequantize() for its values; to use "
-                "the state dict with torch.optim.AdamW, convert it with "
-                "lowbit_optim.checkpoint.to_torch_adamw(state_dict)"
-            )
-        return handler(*args, **(kwargs or {}))
-
-
-def _detach(state):
-    return state._relabel()
-
-
-def _clone(state, memory_format=None):
-    return state._relabel(row=state.row.clone(), col=state.col.clone())
-
-
-def _to_copy(state, *, dtype=None, device=None, layout=None, pin_memory=None,
-             non_blocking=False, memory_format=None):
-    # A dtype cast only relabels: Optimizer.load_state_dict casts every state tensor to its
-    # parameter's dtype, and the float32 statistics must survive it.
-    return state._relabel(row=state.row.to(device=device, non_blocking=non_blocking),
-                          col=state.col.to(device=device, non_blocking=non_blocking), dtype=dtype)
+    _what_it_is = "AdamWFactored4bit's second moment stored as row and column statistics"
 
 
 def _copy(dst, src, non_blocking=False):
@@ -178,24 +150,16 @@ def _equal(a, b):
     return a.shape == b.shape and torch.equal(a.row, b.row) and torch.equal(a.col, b.col)
 
 
-def _is_pinned(state, device=None):
-    return state.row.is_pinned() and state.col.is_pinned()
-
-
 def _view(state, shape):
     """The same statistics under another shape with the same last dimension (the factored
     matrix is unchanged); ``DTensor.from_local`` views its local tensor as itself."""
-    shape = list(shape)
-    if -1 in shape:
-        known = -torch.Size(shape).numel()  # product of the other dimensions
-        shape[shape.index(-1)] = state.numel() // known if known else 0
-    shape = torch.Size(shape)
+    shape = infer_shape(shape, state.numel())
     if len(shape) < 2 or shape[-1] != state.shape[-1] or shape.numel() != state.numel():
         raise NotImplementedError(
             f"FactoredState can be viewed only with the same last dimension and size (got "
             f"{tuple(shape)} for {tuple(state.shape)}): its statistics are per row and column"
         )
-    return FactoredState(state.row, state.col, shape, state.dtype)
+    return state._relabel(shape=shape)
 
 
 def _slice(state, dim=0, start=None, end=None, step=1):
@@ -212,37 +176,19 @@ def _slice(state, dim=0, start=None, end=None, step=1):
     end = max(start, end)
     rows_per_index = torch.Size(shape[1:-1]).numel()
     shape[0] = end - start
-    return FactoredState(state.row[start * rows_per_index:end * rows_per_index], state.col,
-                         torch.Size(shape), state.dtype)
+    return state._relabel(row=state.row[start * rows_per_index:end * rows_per_index], shape=shape)
 
 
-def _on_values(func):
-    """A handler for an op that only reads: it runs on the reconstructed values and returns a
-    plain tensor (DTensor's ``full_tensor()`` pads uneven shards and all-gathers them)."""
-    def handler(*args, **kwargs):
-        return func(*[arg.dequantize() if isinstance(arg, FactoredState) else arg for arg in args],
-                    **kwargs)
-    return handler
-
-
-_HANDLERS = {
-    aten.detach.default: _detach,
-    aten.alias.default: _detach,
-    aten.clone.default: _clone,
-    aten._to_copy.default: _to_copy,
+FactoredState._handlers = {
+    **SHARED_HANDLERS,
     aten.copy_.default: _copy,
     aten.zeros_like.default: _zeros_like,
     aten.empty_like.default: _zeros_like,
     aten.equal.default: _equal,
-    aten.is_pinned.default: _is_pinned,
     aten.slice.Tensor: _slice,
     aten.view.default: _view,
     aten.reshape.default: _view,
     aten._unsafe_view.default: _view,
-    aten.constant_pad_nd.default: _on_values(aten.constant_pad_nd.default),
-    torch.ops._c10d_functional.all_gather_into_tensor.default: _on_values(
-        torch.ops._c10d_functional.all_gather_into_tensor.default
-    ),
 }
 
 torch.serialization.add_safe_globals([FactoredState])

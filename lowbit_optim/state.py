@@ -5,7 +5,8 @@ on its ``codes`` and ``scales`` directly, see ``lowbit_optim.functional``). It l
 tensor of the parameter's shape and dtype so that ``torch.optim.Optimizer`` machinery
 (``state_dict``, ``load_state_dict``'s dtype/device cast, ``torch.save``) handles it.
 
-Supported aten ops, and what each means here:
+Supported aten ops, and what each means here (the first five rows are
+``lowbit_optim.stored_tensor``'s, shared with ``FactoredState``):
 
 =====================  ==================================================================
 ``detach``, ``alias``   same codes and scales (shared storage)
@@ -13,6 +14,10 @@ Supported aten ops, and what each means here:
 ``_to_copy``            moves codes and scales to another device; a dtype cast only relabels
                         the logical dtype (``Optimizer.load_state_dict`` casts every state
                         tensor to the parameter dtype: the codes and scales must survive it)
+``is_pinned``           asked by DCP's save planner
+``constant_pad_nd``,    run on the dequantized values (DTensor ``full_tensor()`` of a
+``all_gather_into_      sharded moment gathers its float values)
+tensor``
 ``copy_``               float -> state quantizes; state -> float dequantizes; state ->
                         state copies codes and scales (re-quantizing if the formats differ)
 ``zeros_like``,         a fresh all-zero state of the same format and block size
@@ -22,10 +27,6 @@ Supported aten ops, and what each means here:
 ``equal``               compares format, shape, codes and scales
 ``slice``               a contiguous range (DCP resharding): whole blocks are a view, any
                         other range a ``lowbit_optim.quantized_slice.QuantizedSlice``
-``constant_pad_nd``,    run on the dequantized values (DTensor ``full_tensor()`` of a
-``all_gather_into_      sharded moment gathers its float values)
-tensor``
-``is_pinned``           asked by DCP's save planner
 =====================  ==================================================================
 """
 
@@ -33,6 +34,7 @@ import torch
 
 from lowbit_optim.quant.formats import QuantFormat, get_format
 from lowbit_optim.quantized_slice import QuantizedSlice
+from lowbit_optim.stored_tensor import SHARED_HANDLERS, StoredTensor, infer_shape
 
 aten = torch.ops.aten
 
@@ -40,7 +42,7 @@ aten = torch.ops.aten
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-class QuantizedState(torch.Tensor):
+class QuantizedState(StoredTensor):
     codes: torch.Tensor
     scales: torch.Tensor
     format_name: str
@@ -87,10 +89,6 @@ class QuantizedState(torch.Tensor):
     def num_blocks(self) -> int:
         return self.codes.shape[0]
 
-    def state_nbytes(self) -> int:
-        """Bytes held by the inner tensors (what the state costs in memory)."""
-        return self.codes.nbytes + self.scales.nbytes
-
     # --- conversion ---------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         values = self.format.dequantize_blocks(self.codes, self.scales).view(-1)
@@ -112,14 +110,8 @@ class QuantizedState(torch.Tensor):
         self.scales.copy_(scales)
         return self
 
-    def _relabel(self, codes=None, scales=None, shape=None, dtype=None):
-        return QuantizedState(
-            self.codes if codes is None else codes,
-            self.scales if scales is None else scales,
-            self.format_name,
-            self.shape if shape is None else shape,
-            self.dtype if dtype is None else dtype,
-        )
+    def _rebuild(self, inner, shape, dtype):
+        return QuantizedState(inner["codes"], inner["scales"], self.format_name, shape, dtype)
 
     # --- torch.compile / serialization ----------------------------------------------------
     def __tensor_flatten__(self):
@@ -149,39 +141,7 @@ class QuantizedState(torch.Tensor):
             f"dtype={self.dtype}, block_size={self.block_size}, device={self.device})"
         )
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is None:
-            # Most often met as the first step of torch.optim.AdamW (aten.lerp_) after it
-            # loaded one of our state dicts: say how to convert.
-            raise NotImplementedError(
-                f"QuantizedState does not support {func}: it is a lowbit_optim optimizer moment "
-                "stored as codes and scales. Call .dequantize() for its values; to use a "
-                "lowbit_optim state dict with torch.optim.AdamW, convert it first with "
-                "lowbit_optim.checkpoint.to_torch_adamw(state_dict)"
-            )
-        return handler(*args, **kwargs)
-
-
-def _detach(state):
-    return state._relabel()
-
-
-def _clone(state, memory_format=None):
-    return state._relabel(codes=state.codes.clone(), scales=state.scales.clone())
-
-
-def _to_copy(state, *, dtype=None, device=None, layout=None, pin_memory=None,
-             non_blocking=False, memory_format=None):
-    return state._relabel(
-        codes=state.codes.to(device=device, non_blocking=non_blocking),
-        scales=state.scales.to(device=device, non_blocking=non_blocking),
-        dtype=dtype,
-    )
+    _what_it_is = "a lowbit_optim optimizer moment stored as codes and scales"
 
 
 def _copy(dst, src, non_blocking=False):
@@ -206,13 +166,10 @@ def _zeros_like(state, *, dtype=None, layout=None, device=None, pin_memory=None,
 
 
 def _view(state, shape):
-    shape = list(shape)
-    if -1 in shape:
-        known = -torch.Size(shape).numel()  # product of the other dimensions
-        shape[shape.index(-1)] = state.numel() // known if known else 0
-    if torch.Size(shape).numel() != state.numel():
-        raise RuntimeError(f"shape {shape} is invalid for a state of {state.numel()} elements")
-    return state._relabel(shape=torch.Size(shape))
+    shape = infer_shape(shape, state.numel())
+    if shape.numel() != state.numel():
+        raise RuntimeError(f"shape {list(shape)} is invalid for a state of {state.numel()} elements")
+    return state._relabel(shape=shape)
 
 
 def _equal(a, b):
@@ -254,31 +211,8 @@ def _slice(state, dim=0, start=None, end=None, step=1):
     return QuantizedSlice(state, first, last, torch.Size(shape))
 
 
-def _on_values(func):
-    """A handler for an op that only reads: it runs on the dequantized values and returns a
-    plain tensor. DTensor's ``full_tensor()`` pads uneven shards and all-gathers them, so
-    the full tensor of a sharded moment is its float values."""
-    def handler(*args, **kwargs):
-        args = [arg.dequantize() if isinstance(arg, QuantizedState) else arg for arg in args]
-        return func(*args, **kwargs)
-    return handler
-
-
-def _is_pinned(state, device=None):
-    return state.codes.is_pinned() and state.scales.is_pinned()
-
-
-_HANDLERS = {
-    aten.slice.Tensor: _slice,
-    aten.is_pinned.default: _is_pinned,
-    aten.constant_pad_nd.default: _on_values(aten.constant_pad_nd.default),
-    torch.ops._c10d_functional.all_gather_into_tensor.default: _on_values(
-        torch.ops._c10d_functional.all_gather_into_tensor.default
-    ),
-    aten.detach.default: _detach,
-    aten.alias.default: _detach,
-    aten.clone.default: _clone,
-    aten._to_copy.default: _to_copy,
+QuantizedState._handlers = {
+    **SHARED_HANDLERS,
     aten.copy_.default: _copy,
     aten.zeros_like.default: _zeros_like,
     aten.empty_like.default: _zeros_like,
@@ -286,6 +220,7 @@ _HANDLERS = {
     aten.reshape.default: _view,
     aten._unsafe_view.default: _view,
     aten.equal.default: _equal,
+    aten.slice.Tensor: _slice,
 }
 
 torch.serialization.add_safe_globals([QuantizedState])
