@@ -27,6 +27,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
+from lowbit_optim import distributed
 from lowbit_optim.factored_state import factor_shape, normalized_columns
 from lowbit_optim.functional import (
     bias_corrections,
@@ -158,8 +159,6 @@ class FactoredParams:
     """
 
     def __init__(self, entries: list, params: list[torch.Tensor]):
-        from lowbit_optim import distributed  # imports torch.distributed's DTensor
-
         self.entries = entries
         self.all_rows = [factor_shape(param.shape)[0] for param in params]
         self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
@@ -181,8 +180,6 @@ class FactoredParams:
             stochastic_round: bool, decoupled_weight_decay: bool) -> None:
         """One step of every factored parameter (``hyper``: a ``functional.StepScalars``
         whose ``step`` is ignored: each entry has its own)."""
-        from lowbit_optim import distributed
-
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         for position, (index, entry) in enumerate(self.entries):
             self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper.beta2,
