@@ -3,10 +3,13 @@
 Two passes over the parameter, each in bounded chunks (``backends.CHUNK_ELEMENTS``), so no
 parameter-sized float32 temporary is ever made:
 
-1. ``second_moment_sums``: per chunk of rows of the ``(rows, columns)`` view, the sums over
-   columns and over rows of ``(1 - beta2) * g**2`` (``functional.squared_gradient_term``).
-   They update the statistics as Adafactor does:
-   ``row = beta2 * row + mean_j(...)``, ``col = beta2 * col + mean_i(...)``.
+1. ``second_moment_means``: per chunk of rows of the ``(rows, columns)`` view, the means over
+   columns and (this chunk's share of) over rows of ``(1 - beta2) * g**2``
+   (``functional.squared_gradient_term``). They update the statistics as Adafactor does:
+   ``row = beta2 * row + mean_j(...)``, ``col = beta2 * col + mean_i(...)``. Each term is
+   divided before it is summed: a sum of terms torch's AdamW keeps finite (a gradient of
+   1e20 gives 1e37) would overflow float32 over a few dozen columns, and the statistics would
+   become inf, the parameter NaN.
 2. ``factored_adamw_step``: per chunk of whole quantization blocks, the 4-bit first moment
    is decoded, updated and re-encoded as in ``quantized_adamw_step``, and each element's
    second moment is ``row[i] * col[j] / mean(col)`` (``factored_state.reconstruct``), found
@@ -56,16 +59,18 @@ def adam_ratio_bound(beta1, beta2, step):
     return bound.masked_fill(beta2 <= 0, torch.inf)
 
 
-def second_moment_sums(param_rows, grad_rows, beta2, weight_decay, *, maximize: bool,
-                       decoupled_weight_decay: bool):
-    """For a ``(k, columns)`` chunk: float32 sums of ``(1 - beta2) * g**2`` over each row
-    ``(k,)`` and over each column ``(columns,)``."""
+def second_moment_means(param_rows, grad_rows, beta2, weight_decay, columns, all_rows, *,
+                        maximize: bool, decoupled_weight_decay: bool):
+    """For a ``(k, columns)`` chunk of a matrix of ``all_rows`` rows (both 0-d int64): the
+    float32 means of ``(1 - beta2) * g**2`` over each row ``(k,)``, and each column's sum
+    over these rows divided by ``all_rows`` ``(columns,)``: the chunk's share of the column
+    means."""
     dtype = compute_dtype(param_rows)
     _, safe_grad = effective_gradient(param_rows.to(dtype), grad_rows.to(dtype),
                                       weight_decay=weight_decay, maximize=maximize,
                                       decoupled_weight_decay=decoupled_weight_decay)
     term = squared_gradient_term(safe_grad, beta2)
-    return term.sum(dim=1).to(torch.float32), term.sum(dim=0).to(torch.float32)
+    return (term / columns).sum(dim=1).to(torch.float32), (term / all_rows).sum(dim=0).to(torch.float32)
 
 
 def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized,
@@ -112,12 +117,12 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
 
 @functools.cache
 def compiled_functions(exp_avg_format: QuantFormat):
-    """``(second_moment_sums, factored_adamw_step)`` compiled, once per process and format."""
+    """``(second_moment_means, factored_adamw_step)`` compiled, once per process and format."""
     from lowbit_optim.backends import with_own_code_object  # backends imports this module
 
     suffix = exp_avg_format.name.replace("-", "_")
     return (
-        torch.compile(with_own_code_object(second_moment_sums, f"second_moment_sums__{suffix}"),
+        torch.compile(with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"),
                       dynamic=False),
         torch.compile(with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"),
                       dynamic=False),
@@ -149,13 +154,13 @@ def _call(function, compiled: bool, dynamic_dims: dict, *args, **kwargs):
 class FactoredParams:
     """The factored parameters of one ``backends.AdamWPlan``, stepped together in place with
     ``"compile"`` or ``"eager"``: every parameter's statistics pass first, then, for FSDP2
-    shards, one all-reduce of all their column sums per set of process groups (each rank
-    holds other rows: ``distributed.sum_across_shards``), then every update pass.
+    shards, one all-reduce of all their column means' shares per set of process groups (each
+    rank holds other rows: ``distributed.sum_across_shards``), then every update pass.
 
     ``entries``: ``(index, ParamStep)`` of this rank's tensors, indices into the plan's
     gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
     FSDP2), which say across which ranks the rows are split and how many there are in all.
-    The column sums and the normalised columns live in buffers kept from step to step.
+    The column means and the normalised columns live in buffers kept from step to step.
     """
 
     def __init__(self, entries: list, params: list[torch.Tensor]):
@@ -166,13 +171,13 @@ class FactoredParams:
         for position, ((_, entry), param) in enumerate(zip(entries, params)):
             key = (distributed.shard_groups(param), entry.exp_avg_sq.col.device)
             buckets.setdefault(key, []).append(position)
-        self.column_sums: list[torch.Tensor | None] = [None] * len(entries)
-        self.reductions = []  # (flat column sums, process groups) for sharded parameters
+        self.column_means: list[torch.Tensor | None] = [None] * len(entries)
+        self.reductions = []  # (flat column means, process groups) for sharded parameters
         for (groups, device), positions in buckets.items():
             lengths = [entries[p][1].exp_avg_sq.col.numel() for p in positions]
             flat = torch.zeros(sum(lengths), device=device)
             for position, view in zip(positions, flat.split(lengths)):
-                self.column_sums[position] = view
+                self.column_means[position] = view
             if groups:
                 self.reductions.append((flat, groups))
 
@@ -183,7 +188,8 @@ class FactoredParams:
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         for position, (index, entry) in enumerate(self.entries):
             self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper.beta2,
-                                        hyper.weight_decay, self.column_sums[position], flags)
+                                        hyper.weight_decay, self.column_means[position],
+                                        self.all_rows[position], scratch, flags)
         for flat, groups in self.reductions:
             distributed.sum_across_shards(flat, groups)
         # The bias corrections and Adam's bound depend on the step count only, which the
@@ -192,7 +198,7 @@ class FactoredParams:
         step_scalars = {}
         for position, (index, entry) in enumerate(self.entries):
             factored = entry.exp_avg_sq
-            factored.col.mul_(hyper.beta2).add_(self.column_sums[position].div_(self.all_rows[position]))
+            factored.col.mul_(hyper.beta2).add_(self.column_means[position])
             normalized_columns(factored.col, out=self.normalized_columns[position])
             count = float(entry.step)
             if count not in step_scalars:
@@ -203,26 +209,31 @@ class FactoredParams:
                          stochastic_round=stochastic_round, flags=flags)
 
     @staticmethod
-    def _accumulate_statistics(backend, entry, beta2, weight_decay, column_sums, flags) -> None:
-        """Pass 1: this step's row statistics (in place), and this shard's column sums of
-        ``(1 - beta2) * g**2`` into ``column_sums``, a bounded chunk of rows at a time."""
+    def _accumulate_statistics(backend, entry, beta2, weight_decay, column_means, all_rows: int,
+                               scratch, flags) -> None:
+        """Pass 1: this step's row statistics (in place), and this shard's share of the
+        column means of ``(1 - beta2) * g**2`` (over ``all_rows`` rows) into
+        ``column_means``, a bounded chunk of rows at a time."""
         from lowbit_optim.backends import CHUNK_ELEMENTS  # (an import cycle)
 
         compiled = backend == "compile"
-        statistics_step = compiled_functions(entry.exp_avg.format)[0] if compiled else second_moment_sums
+        statistics_step = compiled_functions(entry.exp_avg.format)[0] if compiled else second_moment_means
         factored = entry.exp_avg_sq
         rows, columns = factored.row.numel(), factored.col.numel()
         param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
         grad_matrix = entry.grad.detach().reshape(rows, columns)
-        column_sums.zero_()
+        # 0-d int64 inputs, filled in place: sizes as tensors, so no size is a guarded constant.
+        columns_scalar = scratch.index_scalar("columns").fill_(columns)
+        all_rows_scalar = scratch.index_scalar("all_rows").fill_(all_rows)
+        column_means.zero_()
         chunk_rows = max(1, CHUNK_ELEMENTS // columns)
         for first in range(0, rows, chunk_rows):
             chunk = slice(first, min(first + chunk_rows, rows))
-            row_sums, chunk_column_sums = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
-                                                param_matrix[chunk], grad_matrix[chunk], beta2,
-                                                weight_decay, **flags)
-            factored.row[chunk].mul_(beta2).add_(row_sums.div_(columns))
-            column_sums.add_(chunk_column_sums)
+            row_means, column_shares = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
+                                             param_matrix[chunk], grad_matrix[chunk], beta2, weight_decay,
+                                             columns_scalar, all_rows_scalar, **flags)
+            factored.row[chunk].mul_(beta2).add_(row_means)
+            column_means.add_(column_shares)
 
     @staticmethod
     def _update(backend, entry, hyper, step_scalars, col_normalized, scratch, *, stochastic_round,

@@ -87,20 +87,21 @@ class FactoredState(StoredTensor):
                 sum_columns=None) -> "FactoredState":
         """Store the row and column means of ``tensor`` (same shape) into these factors.
 
-        For a shard holding some of a matrix's rows (FSDP2), ``sum_columns`` adds the column
-        sums of every shard in place (an all-reduce) and ``all_rows`` is the whole matrix's
-        row count, so that the columns are means over all of its rows."""
+        For a shard holding some of a matrix's rows (FSDP2), ``all_rows`` is the whole
+        matrix's row count and ``sum_columns`` adds every shard's share of the column means
+        in place (an all-reduce), so that the columns are means over all of its rows. Each
+        value is divided before it is summed, as in the step: a sum of large second moments
+        must not overflow where their mean does not."""
         if tensor.shape != self.shape:
             raise ValueError(
                 f"cannot factor a tensor of shape {tuple(tensor.shape)} into a state of shape "
                 f"{tuple(self.shape)}"
             )
-        matrix = tensor.detach().to(device=self.row.device, dtype=torch.float32).reshape(self.row.numel(), -1)
-        self.row.copy_(matrix.mean(dim=1))
-        if sum_columns is None:
-            self.col.copy_(matrix.mean(dim=0))
-        else:
-            self.col.copy_(sum_columns(matrix.sum(dim=0)).div_(all_rows))
+        rows, columns = self.row.numel(), self.col.numel()
+        matrix = tensor.detach().to(device=self.row.device, dtype=torch.float32).reshape(rows, columns)
+        self.row.copy_((matrix / columns).sum(dim=1))
+        column_shares = (matrix / (all_rows or rows)).sum(dim=0)
+        self.col.copy_(column_shares if sum_columns is None else sum_columns(column_shares))
         return self
 
     def _rebuild(self, inner, shape, dtype):
