@@ -46,8 +46,11 @@ def reconstruct(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
 
 def normalized_columns(col: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``col / mean(col)``, or zeros when ``col`` is all zero (no gradient seen yet: the
-    clamp turns 0 / 0 into 0 / tiny); into ``out`` if given (the step reuses one buffer)."""
-    return torch.div(col, col.mean().clamp_min(torch.finfo(torch.float32).tiny), out=out)
+    clamp turns 0 / 0 into 0 / tiny); into ``out`` if given (the step reuses one buffer).
+    The mean is taken in float64: a float32 sum of column statistics near 1e37 (a gradient
+    of 1e20) overflows, and every column would then normalise to 0."""
+    mean = col.mean(dtype=torch.float64).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.div(col, mean, out=out)
 
 
 class FactoredState(StoredTensor):

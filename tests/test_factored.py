@@ -37,10 +37,25 @@ def reference_step(param, grad, exp_avg, row, col, *, lr, betas, eps, weight_dec
 SHAPES = [(96, 130), (5, 7, 33)]  # whole blocks and a tail; a 3-D one factored as (35, 33)
 
 
+def ordinary_gradient(shape):
+    return torch.randn(shape) * (1 + torch.arange(shape[-1]))  # columns of different scales
+
+
+def huge_gradient(shape):
+    """Magnitudes 0.5e20 to 1e20: each term ``(1 - beta2) * g**2`` (~1e37) and five steps'
+    second moment are finite, as in torch's AdamW, but a float32 sum of a row's or the
+    columns' statistics overflowed (the parameter became NaN, or moved by the clamp's bound)."""
+    return torch.randn(shape).sign() * torch.empty(shape).uniform_(0.5, 1.0) * 1e20
+
+
+GRADIENTS = {"ordinary": ordinary_gradient, "huge": huge_gradient}
+
+
+@pytest.mark.parametrize("gradient", GRADIENTS.values(), ids=GRADIENTS.keys())
 @pytest.mark.parametrize("maximize", [False, True], ids=["descend", "maximize"])
 @pytest.mark.parametrize("backend", ["eager", "compile"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_each_step_matches_the_reference_from_the_same_state(shape, backend, maximize):
+def test_each_step_matches_the_reference_from_the_same_state(shape, backend, maximize, gradient):
     """Every step is compared with ``reference_step`` started from the optimizer's own state
     (the dequantized first moment, the statistics), so the comparison is to float rounding:
     statistics and parameters within 1e-5 relative (float32 against float64, measured
@@ -53,7 +68,7 @@ def test_each_step_matches_the_reference_from_the_same_state(shape, backend, max
     optimizer = AdamWFactored4bit([param], min_quant_size=0, backend=backend, maximize=maximize, **hyper)
     row = col = exp_avg = None
     for step in range(1, 6):
-        grad = torch.randn(shape) * (1 + torch.arange(shape[-1]))  # columns of different scales
+        grad = gradient(shape)
         if step == 1:
             exp_avg = torch.zeros(shape, dtype=torch.float64)
             row = torch.zeros(torch.Size(shape[:-1]).numel(), dtype=torch.float64)
