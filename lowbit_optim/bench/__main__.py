@@ -108,6 +108,9 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
             final_train_loss=statistics.mean(run["final_train_loss"] for run in seeds),
             final_val_loss=statistics.mean(val),
             val_loss_sd=statistics.stdev(val) if len(val) > 1 else None,
+            # Each seed's own, in the order of ``seeds``: runs made apart (another optimizer
+            # later, fp32 on another day) can still be paired by seed.
+            final_val_loss_per_seed=val,
         )
         if baseline:
             base = baseline[first["seed"]]
