@@ -12,6 +12,14 @@ GPU:
   gradients kept between steps and with ``zero_grad(set_to_none=True)`` and new gradients at
   new addresses every step; median and minimum over the steps (the minimum is the cost
   without interference from other processes, the median what a shared machine gives);
+* new gradients come two ways: cloned (~20 MB written by the CPU just before each step,
+  which flushes the host's caches: ~1.2 us per parameter of that figure is the step's own
+  code and objects fetched again from memory) and allocated but not written (``empty_like``
+  for the quantized parameters, whose values the stubbed launch never reads), closer to what
+  a GPU step sees of them on the host: new tensors at new addresses, their bytes on the device;
+* of each figure, the time in ``torch._foreach_copy_`` (the small parameters' gather and
+  write-back): on CPU a loop of one ``copy_`` per tensor (~0.3-0.6 us per parameter here), on
+  CUDA one multi-tensor launch each;
 * kernel launches, layout tables copied to the device and group plans built per step;
 * tensor ops of the small (float-state) parameters' step, for 10 and for 100 of them
   (profiler; views and the CPU fallback of ``_foreach_copy_`` aside): constant means O(1)
@@ -37,7 +45,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from lowbit_optim import AdamW4bit, AdamW8bit  # noqa: E402
+from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState  # noqa: E402
 from lowbit_optim.bench import harness  # noqa: E402
 from lowbit_optim.kernels import adamw_lowbit  # noqa: E402
 from lowbit_optim.kernels import layout as layouts  # noqa: E402
@@ -72,7 +80,28 @@ def model_params(count: int) -> tuple[list[torch.nn.Parameter], int]:
     return params, quantized
 
 
-def host_us_per_param(name: str, count: int, steps: int, *, new_grads: bool) -> dict:
+GRADIENTS = {
+    "kept": "kept",
+    "cloned": "new each step, cloned (new addresses)",
+    "not_written": "new each step, not written (new addresses)",
+}
+
+
+class TimedForeachCopy:
+    """``torch._foreach_copy_``, timed: on CPU a loop of ``copy_`` calls, one kernel on CUDA."""
+
+    def __init__(self, copy):
+        self.copy, self.seconds = copy, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.copy(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def host_us_per_param(name: str, count: int, steps: int, *, gradients: str) -> dict:
     params, quantized = model_params(count)
     optimizer = OPTIMIZERS[name](params, backend="triton")
     grads = [torch.randn_like(p) for p in params]
@@ -83,32 +112,42 @@ def host_us_per_param(name: str, count: int, steps: int, *, new_grads: bool) -> 
     real_to_device = layouts._to_device
     real_kernel, adamw_lowbit._adamw_lowbit_kernel = adamw_lowbit._adamw_lowbit_kernel, stub
     layouts._to_device = lambda *args: copies.append(1) or real_to_device(*args)
+    foreach_copy = torch._foreach_copy_ = TimedForeachCopy(torch._foreach_copy_)
     try:
         optimizer.step()  # state creation, the group's plan, first layout
-        seconds, held = [], []
+        seconds, foreach_seconds, held = [], [], []
         plans = optimizer._plans[0]
+        # Read only by the stubbed launch: the small parameters' are read for real.
+        unread = [gradients == "not_written" and isinstance(optimizer.state[param]["exp_avg"], QuantizedState)
+                  for param in params]
         for _ in range(steps):
-            if new_grads:
+            if gradients != "kept":
                 optimizer.zero_grad(set_to_none=True)
-                for param, grad in zip(params, grads):
-                    param.grad = grad.clone()
+                for param, grad, skip_write in zip(params, grads, unread):
+                    param.grad = torch.empty_like(grad) if skip_write else grad.clone()
                 # The previous gradients stay alive, so the new ones are at new addresses.
                 held = [p.grad for p in params] + held[:count]
             stub.launches = 0
             copies.clear()
+            foreach_copy.seconds = 0.0
             start = time.perf_counter()
             optimizer.step()
             seconds.append(time.perf_counter() - start)
+            foreach_seconds.append(foreach_copy.seconds)
         replanned = optimizer._plans[0] is not plans
     finally:
         adamw_lowbit._adamw_lowbit_kernel = real_kernel
         layouts._to_device = real_to_device
+        torch._foreach_copy_ = foreach_copy.copy
     step_ms = harness.median_ms(seconds)
+    fastest = min(range(steps), key=seconds.__getitem__)
     return {
         "optimizer": name, "params": count, "quantized_params": quantized,
-        "gradients": "new each step (new addresses)" if new_grads else "kept",
+        "gradients": GRADIENTS[gradients],
         "step_ms": step_ms, "us_per_param": 1e3 * step_ms / count,
-        "min_us_per_param": 1e6 * min(seconds) / count,
+        "min_us_per_param": 1e6 * seconds[fastest] / count,
+        "foreach_copy_us_per_param": 1e3 * harness.median_ms(foreach_seconds) / count,
+        "min_foreach_copy_us_per_param": 1e6 * foreach_seconds[fastest] / count,
         "launches_per_step": stub.launches, "tables_copied_per_step": len(copies),
         "replanned": replanned,
     }
@@ -142,6 +181,8 @@ COLUMNS = [
     harness.Column("host ms/step (median)", "step_ms", "{:.2f}"),
     harness.Column("host us/param (median)", "us_per_param", "{:.2f}"),
     harness.Column("host us/param (min)", "min_us_per_param", "{:.2f}"),
+    harness.Column("of which CPU foreach copy (median)", "foreach_copy_us_per_param", "{:.2f}"),
+    harness.Column("of which CPU foreach copy (min step)", "min_foreach_copy_us_per_param", "{:.2f}"),
     harness.Column("launches/step", "launches_per_step"),
     harness.Column("tables copied/step", "tables_copied_per_step"),
     harness.Column("plan rebuilt", "replanned"),
@@ -162,8 +203,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     rows = []
     for name in OPTIMIZERS:
-        for new_grads in (False, True):
-            row = host_us_per_param(name, args.params, args.steps, new_grads=new_grads)
+        for gradients in GRADIENTS:
+            row = host_us_per_param(name, args.params, args.steps, gradients=gradients)
             rows.append({**row, "label": f"{row['params']} ({row['quantized_params']})"})
     ops = {count: small_param_ops(count) for count in (10, 100)}
     env = harness.environment(torch.device("cpu"))

@@ -31,7 +31,7 @@ with ``zero_grad(set_to_none=True)`` brings, and the Triton kinds follow them ch
 """
 
 from itertools import chain
-from operator import attrgetter, is_not, methodcaller
+from operator import attrgetter, is_not
 
 import torch
 
@@ -39,11 +39,15 @@ from lowbit_optim import backends, distributed
 from lowbit_optim.functional import consecutive_views
 from lowbit_optim.state import MOMENT_KEYS
 
+# Read with C-level getters in one pass per list: a parameter's dtype and shape as one tuple,
+# a gradient's with ``is_sparse`` (planned as False), so that a single list comparison checks
+# a gradient against its parameter's planned dtype and shape and that it is dense.
 _GRAD = attrgetter("grad")
-_DTYPE = attrgetter("dtype")
-_SHAPE = attrgetter("shape")
-_IS_SPARSE = attrgetter("is_sparse")
-_DATA_PTR = methodcaller("data_ptr")
+_PARAM_FACTS = attrgetter("dtype", "shape")
+_GRAD_FACTS = attrgetter("dtype", "shape", "is_sparse")
+# The unbound method: ~3x cheaper per call than ``methodcaller("data_ptr")`` (~0.06 against
+# ~0.2 us, timeit), and the same method, as no parameter class overrides it in Python.
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _flatten_float_moments(state_dicts: list[dict]) -> None:
@@ -67,8 +71,10 @@ def _flatten_float_moments(state_dicts: list[dict]) -> None:
             state_dict[key] = piece.view(moment.shape)
 
 
-def _value_ids(state_dicts: list[dict]) -> list[int]:
-    return [*map(id, chain.from_iterable(map(dict.values, state_dicts)))]
+def _state_values(state_dicts: list[dict]) -> list:
+    """Every value of the state dicts, in order. The plan holds them and compares by identity
+    (``is``): ids alone could match a new tensor at a freed one's address."""
+    return [*chain.from_iterable(map(dict.values, state_dicts))]
 
 
 class GroupPlan:
@@ -84,8 +90,8 @@ class GroupPlan:
         self.with_grad = [param for param, has in zip(params, self.has_grad) if has]
         grads = [grad for grad in grads if grad is not None]
         self.addresses = [*map(_DATA_PTR, self.with_grad)]
-        self.dtypes = [*map(_DTYPE, self.with_grad)]
-        self.shapes = [*map(_SHAPE, self.with_grad)]
+        self.param_facts = [*map(_PARAM_FACTS, self.with_grad)]
+        self.grad_facts = [(dtype, shape, False) for dtype, shape in self.param_facts]
         self.state_dicts = [state[param] for param in self.with_grad]
         # The step counts become 0-d views of one tensor, so one add advances them all: a
         # foreach add over separate 0-d CPU tensors is a loop of dispatcher calls, ~1.6 us per
@@ -97,7 +103,7 @@ class GroupPlan:
                 state_dict["step"] = count
             self.expected_steps = self.step_counts.clone()
         _flatten_float_moments(self.state_dicts)
-        self.value_ids = _value_ids(self.state_dicts)
+        self.state_values = _state_values(self.state_dicts)
         self.has_dtensor = any(map(distributed.is_dtensor, self.with_grad))
         local = distributed.local  # FSDP2: each rank steps its own shards
         entries = [
@@ -120,14 +126,16 @@ class GroupPlan:
         if len(grads) != len(self.with_grad):
             grads = [grad for grad in grads if grad is not None]
         with_grad = self.with_grad
-        if ([*map(_DATA_PTR, with_grad)] != self.addresses or [*map(_DTYPE, with_grad)] != self.dtypes
-                or [*map(_SHAPE, with_grad)] != self.shapes
-                or [*map(_DTYPE, grads)] != self.dtypes or [*map(_SHAPE, grads)] != self.shapes
-                or any(map(_IS_SPARSE, grads))):
+        if ([*map(_DATA_PTR, with_grad)] != self.addresses
+                or [*map(_PARAM_FACTS, with_grad)] != self.param_facts
+                or [*map(_GRAD_FACTS, grads)] != self.grad_facts):
             return None
         if any(map(is_not, map(state.get, with_grad), self.state_dicts)):
             return None
-        if _value_ids(self.state_dicts) != self.value_ids:
+        # By identity (``==`` on tensors would compare values); the length first, as ``map``
+        # stops at the shorter list and a key added at the end would go unseen.
+        values = _state_values(self.state_dicts)
+        if len(values) != len(self.state_values) or any(map(is_not, values, self.state_values)):
             return None
         if self.has_dtensor:
             grads = [*map(distributed.local, grads)]

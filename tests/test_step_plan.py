@@ -4,7 +4,7 @@ Each scenario runs two optimizers side by side on identical parameters and gradi
 keeps its plans between steps (what every user gets), the other has them discarded before
 every step, so it plans from scratch each time (layouts built anew, kinds sorted anew). After
 every change a user can make between steps (new gradients at new addresses, a gradient
-that becomes None, a replaced parameter, ``param.data``, a replaced state, a step count
+that becomes None, a replaced parameter, ``param.data``, a replaced moment or state dict, a step count
 changed in place, ``load_state_dict``, ``add_param_group``, ``copy.deepcopy``, a dtype
 change, misaligned gradients) the two must agree bit for bit: the same kernels on the same
 inputs, so any difference is a stale pointer or a stale kind. The Triton kernel runs under
@@ -92,9 +92,12 @@ def _new_param_storage(optimizer, params):
         params[index].data = params[index].detach().clone() * 0.5
 
 
-def _replace_state(optimizer, params):
+def _replace_moment(optimizer, params):
     state = optimizer.state[params[1]]
     state["exp_avg"] = state["exp_avg"].clone()
+
+
+def _replace_state_dict(optimizer, params):
     optimizer.state[params[4]] = {key: value.clone() for key, value in optimizer.state[params[4]].items()}
 
 
@@ -131,7 +134,9 @@ CHANGES = {
     "grad becomes None": _grad_to_none,
     "param replaced in its group": _replace_param_in_group,
     "param.data replaced": _new_param_storage,
-    "states replaced": _replace_state,
+    # Apart: each is seen by its own check (a state's values; the state dicts themselves).
+    "a moment replaced": _replace_moment,
+    "a state dict replaced": _replace_state_dict,
     "step count changed in place": _step_count_in_place,
     "load_state_dict": _load_state_dict,
     "add_param_group": _add_param_group,
@@ -211,6 +216,25 @@ def test_bad_gradient_refused_before_anything_changes_with_a_plan(cls):
     params[1].grad = torch.randn_like(params[1])
     optimizer.step()
     assert float(optimizer.state[params[1]]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_param_viewed_through_data_at_the_same_address_is_refused(change):
+    """``param.data`` set to a view of itself of another shape or dtype keeps its address and
+    leaves its gradient as planned: only the plan's check of the parameters' own dtypes and
+    shapes sees it, and the step then refuses the gradient that no longer fits."""
+    params = make_params(dtype=torch.bfloat16)
+    optimizer = AdamW8bit(params, min_quant_size=MIN_QUANT_SIZE, backend="eager")
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+    param = params[1]
+    param.data = param.data.view(32, 32) if change == "shape" else param.data.view(torch.float16)
+    message = "does not match its parameter" if change == "shape" else "must match its parameter's dtype"
+    with pytest.raises(RuntimeError, match=message):
+        optimizer.step()
+    assert float(optimizer.state[param]["step"]) == 2.0
 
 
 class Counts:
