@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
@@ -150,11 +151,11 @@ def factored_statistics(optimizer, model) -> list[dict]:
     return gathered(statistics)
 
 
-def shard(model) -> nn.Module:
+def shard(model, mesh=None) -> nn.Module:
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    return fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def default_block_size(fmt: str) -> int:
@@ -217,6 +218,15 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     results["ddp-8bit-steps"] = []
     train(model, optimizer, STEPS, record=results["ddp-8bit-steps"])
     results["ddp-8bit"] = {name: param.detach().clone() for name, param in named_parameters(model)}
+
+    # HSDP, 2 replicas of 1 shard: placements (Replicate(), Shard(0)). The factored step must
+    # sum column statistics over the shard dimension only (over the replicas it would double them).
+    model = shard(make_model(), init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")))
+    optimizer = AdamWFactored4bit(model.parameters(), **OPTIONS, backend="eager")
+    results["hsdp-factored-steps"] = []
+    train(model, optimizer, STEPS, record=results["hsdp-factored-steps"])
+    results["hsdp-factored-statistics"] = factored_statistics(optimizer, model)
+    results["hsdp-factored-placements"] = str(model[0].weight.placements)
     if rank == 0:
         torch.save(results, out / "two-ranks.pt")
     dist.destroy_process_group()
@@ -537,16 +547,33 @@ def test_factored_statistics_of_fsdp_shards_are_those_of_the_whole_parameter(run
     assert (rows_0.numel(), rows_1.numel()) == (17, 16)
     assert torch.equal(columns_0, columns_1)
 
-    model = make_model()
-    optimizer = AdamWFactored4bit(model.parameters(), **OPTIONS, backend="eager")
-    for step in runs["fsdp-factored-steps"]:
-        for name, param in model.named_parameters():
-            param.grad = step["grads"][name].clone()
-        optimizer.step()
-    expected = optimizer.state[model[0].weight]["exp_avg_sq"]
+    expected = single_process_statistics(runs["fsdp-factored-steps"])
     rtol = FACTORED_ROUNDING_BOUND
     torch.testing.assert_close(torch.cat([rows_0, rows_1]), expected.row, rtol=rtol, atol=0)
     torch.testing.assert_close(columns_0, expected.col, rtol=rtol, atol=0)
+
+
+def single_process_statistics(recorded: list) -> FactoredState:
+    """The first weight's factored second moment after stepping ``make_model()`` with the
+    gradients a worker recorded."""
+    model = make_model()
+    optimizer = AdamWFactored4bit(model.parameters(), **OPTIONS, backend="eager")
+    for step in recorded:
+        for name, param in model.named_parameters():
+            param.grad = step["grads"][name].clone()
+        optimizer.step()
+    return optimizer.state[model[0].weight]["exp_avg_sq"]
+
+
+def test_factored_statistics_under_hsdp_are_summed_over_shards_not_replicas(runs):
+    """HSDP (2 replicas x 1 shard): each replica holds every row; summing the column
+    statistics over the replicas as well would double them."""
+    assert runs["hsdp-factored-placements"] == "(Replicate(), Shard(dim=0))"
+    expected = single_process_statistics(runs["hsdp-factored-steps"])
+    for statistics in runs["hsdp-factored-statistics"]:
+        rows, columns = statistics["0.weight"]
+        torch.testing.assert_close(rows, expected.row, rtol=FACTORED_ROUNDING_BOUND, atol=0)
+        torch.testing.assert_close(columns, expected.col, rtol=FACTORED_ROUNDING_BOUND, atol=0)
 
 
 def test_ddp_matches_single_process_exactly(runs):
