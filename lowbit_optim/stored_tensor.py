@@ -18,8 +18,10 @@ Shared aten ops:
                         survive it)
 ``is_pinned``           every inner tensor pinned (asked by DCP's save planner)
 ``constant_pad_nd``,    run on the dequantized values (DTensor ``full_tensor()`` of a
-``all_gather_into_      sharded moment pads uneven shards and gathers its float values)
-tensor``
+``all_gather_into_      sharded moment pads uneven shards and gathers its float values;
+tensor``, ``split``     ``distribute_tensor`` splits a whole moment into shards' values when
+                        a one-process state dict is loaded under FSDP2, and the optimizer
+                        stores each shard's values again)
 =====================  ==================================================================
 """
 
@@ -124,4 +126,5 @@ SHARED_HANDLERS = {
     torch.ops._c10d_functional.all_gather_into_tensor.default: _on_values(
         torch.ops._c10d_functional.all_gather_into_tensor.default
     ),
+    aten.split.Tensor: _on_values(aten.split.Tensor),
 }
