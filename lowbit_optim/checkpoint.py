@@ -235,7 +235,7 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
     and check ``state_dict`` for ``optimizer``; raises ``ValueError`` without touching
     anything if it does not fit."""
     slots = _slots(optimizer, state_dict)
-    state_dict = _quantize_sharded_float_moments(optimizer, state_dict, slots)
+    state_dict = _store_float_moments(optimizer, state_dict, slots)
     state_dict = _adopt_older_formats(optimizer, state_dict, slots)
     if is_torch_adamw_state_dict(state_dict):
         state_dict = from_torch_adamw(optimizer, state_dict, slots)
@@ -386,29 +386,35 @@ def _map_moments(state_dict: dict, slots: dict, convert) -> dict:
     return {**state_dict, "state": state}
 
 
-def _quantize_sharded_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
-    """``state_dict`` with each float DTensor moment of a quantized parameter re-quantized
-    (or re-factored: a collective, as every rank loads).
+def _store_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
+    """``state_dict`` with each float moment of a quantized parameter stored again: quantized
+    in ``optimizer``'s formats and the group's block size, or factored (for a DTensor, a
+    collective, as every rank loads).
 
     ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers sharded moments as their
-    float values (``full_tensor()`` of a quantized shard dequantizes), and
-    ``set_optimizer_state_dict`` shards them back as float DTensors; this turns them into
-    quantized shards again, in ``optimizer``'s formats and the group's block size, before
-    they are checked. Loaded with the sharding that saved them this is exact (each shard
-    re-quantizes the values it dequantized); otherwise it costs one rounding. Anything else
-    is passed through, to be checked.
+    float values (``full_tensor()`` of a quantized shard dequantizes).
+    ``set_optimizer_state_dict`` shards them back as float DTensors, or, into an unsharded
+    model, hands them over whole; this turns them into stored moments again before they are
+    checked. Loaded with the blocks that saved them this is exact (each block re-quantizes the
+    values it dequantized, but see docs/distributed.md for negative-maximum blocks); otherwise
+    it costs one rounding. A ``torch.optim.AdamW`` state dict's plain moments are left to
+    ``from_torch_adamw``. Anything else is passed through, to be checked.
     """
+    ours = not is_torch_adamw_state_dict(state_dict)
+
     def convert(slot, key, value):
         group = {**optimizer.defaults, **slot.group}
         shard = local(value)
-        float_shard = is_dtensor(value) and not isinstance(shard, STORED_MOMENTS)
-        if not float_shard or not optimizer.is_quantized(slot.param, group):
+        is_float = (isinstance(shard, torch.Tensor) and not isinstance(shard, STORED_MOMENTS)
+                    and shard.is_floating_point())
+        if (not is_float or not (ours or is_dtensor(value)) or value.shape != slot.param.shape
+                or not optimizer.is_quantized(slot.param, group)):
             return None
         if optimizer.is_factored(slot.param, group, key):
             return factored_from_float(value, slot.param.dtype)
         moment = QuantizedState.zeros(shard.shape, optimizer.moment_format(key), group["block_size"],
                                       device=shard.device, dtype=slot.param.dtype)
-        return wrap_like(moment.quantize_(shard), value)
+        return wrap_like(moment.quantize_(shard), value) if is_dtensor(value) else moment.quantize_(shard)
 
     return _map_moments(state_dict, slots, convert)
 

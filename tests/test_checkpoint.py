@@ -176,6 +176,36 @@ def trained(cls, dtype=torch.float32, steps=3, amsgrad=False):
     return weight, bias, optimizer
 
 
+@pytest.mark.parametrize("cls", [*OPTIMIZERS, AdamWFactored4bit], ids=lambda c: c.__name__)
+def test_a_state_dict_with_float_moments_is_stored_again_on_load(cls):
+    """What a full state dict gathered from FSDP2 holds: our groups, but each moment as its
+    float values. Loaded, each is stored again in the optimizer's format: quantized once more
+    over the same blocks (the same values, except in a block whose largest magnitude is
+    negative: the signed maps stop short of -1, docs/distributed.md), or the same statistics
+    to float rounding (factoring a reconstruction)."""
+    weight, bias, optimizer = trained(cls)
+    saved = round_trip(optimizer.state_dict())
+    as_floats = round_trip(optimizer.state_dict())
+    for entry in as_floats["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if isinstance(entry[key], (QuantizedState, FactoredState)):
+                entry[key] = entry[key].dequantize(torch.float32)
+    target = cls([nn.Parameter(weight.detach().clone()), nn.Parameter(bias.detach().clone())],
+                 lr=1e-2, backend="eager")
+    target.load_state_dict(as_floats)
+    loaded = target.state_dict()
+    for key in ("exp_avg", "exp_avg_sq"):
+        value, expected = loaded["state"][0][key], saved["state"][0][key]
+        assert type(value) is type(expected), key
+        if isinstance(expected, FactoredState):
+            torch.testing.assert_close(value.row, expected.row, rtol=1e-6, atol=0)
+            torch.testing.assert_close(value.col, expected.col, rtol=1e-6, atol=0)
+        else:
+            again = QuantizedState.from_float(expected.dequantize(), expected.format, expected.block_size)
+            assert torch.equal(value.dequantize(), again.dequantize()), key
+        assert torch.equal(loaded["state"][1][key], saved["state"][1][key])
+
+
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 def test_dtype_cast_on_load_keeps_codes_scales_and_float32_state(cls):
     # Optimizer.load_state_dict casts state tensors to the parameter dtype (torchao's 8-bit
@@ -379,8 +409,10 @@ BAD_STATE_DICTS = {
                    r"parameter 0 .*: scales must be finite"),
     "state-shape": (corrupt("exp_avg", lambda s: _relabel(s, shape=(90, 50))),
                     r"parameter 0 .*: exp_avg has shape \(90, 50\), not the parameter's"),
-    "plain-moment": (corrupt("exp_avg", lambda s: s.dequantize()),
-                     r"parameter 0 .*: exp_avg must be a QuantizedState \(dynamic8-signed, block_size=256\)"),
+    # (A float moment is stored again: a full state dict gathered from FSDP2 holds floats.)
+    "integer-moment": (corrupt("exp_avg", lambda s: s.dequantize().to(torch.int32)),
+                       r"parameter 0 .*: exp_avg must be a QuantizedState \(dynamic8-signed, "
+                       r"block_size=256\), got a plain torch.int32 tensor"),
     "not-a-tensor": (corrupt("exp_avg", lambda s: [1, 2]), r"parameter 0 .*exp_avg is a list"),
     "other-format": (corrupt("exp_avg", lambda s: _relabel(s, format_name="dynamic8-unsigned")),
                      r"parameter 0 .*stored as dynamic8-unsigned; AdamW8bit uses dynamic8-signed"),

@@ -198,6 +198,12 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
         results[f"fsdp-{fmt}-full-reload"] = snapshot(fresh_model, fresh_optimizer)
         results[f"fsdp-{fmt}-full-reload-kinds"] = local_kinds(fresh_optimizer, fresh_model)
         results[f"fsdp-{fmt}-full-reload-statistics"] = factored_statistics(fresh_optimizer, fresh_model)
+        # ... and into an unsharded model and optimizer (every rank alike).
+        plain = make_model()
+        plain_optimizer = OPTIMIZERS[fmt](plain.parameters(), **OPTIONS, backend="eager")
+        set_optimizer_state_dict(plain, plain_optimizer, full_osd,
+                                 options=StateDictOptions(full_state_dict=True))
+        results[f"fsdp-{fmt}-full-into-plain"] = snapshot(plain, plain_optimizer)
 
         # DCP: save mid-run, then compare an uninterrupted run with one resumed from the save.
         model, optimizer = new_fsdp(fmt)
@@ -586,6 +592,21 @@ def test_factored_statistics_under_hsdp_are_summed_over_shards_not_replicas(runs
         rows, columns = statistics["0.weight"]
         torch.testing.assert_close(rows, expected.row, rtol=FACTORED_ROUNDING_BOUND, atol=0)
         torch.testing.assert_close(columns, expected.col, rtol=FACTORED_ROUNDING_BOUND, atol=0)
+
+
+@pytest.mark.parametrize("fmt", OPTIMIZERS)
+def test_fsdp_full_state_dict_loads_into_an_unsharded_optimizer(runs, fmt):
+    """The gathered full state dict (float values) loaded into a plain model's optimizer with
+    ``set_optimizer_state_dict``: each moment stored once over the whole tensor's blocks
+    (exact), a factored one re-factored (float rounding). Before, it was refused: "must be a
+    QuantizedState, got a plain torch.float32 tensor"."""
+    moments, loaded = runs[f"fsdp-{fmt}"]["moments"], runs[f"fsdp-{fmt}-full-into-plain"]["moments"]
+    assert loaded.keys() == moments.keys()
+    for (name, key), value in moments.items():
+        if storage(fmt, key, value.shape) == "factored":
+            torch.testing.assert_close(loaded[(name, key)], value, rtol=FACTORED_ROUNDING_BOUND, atol=0)
+        else:
+            assert torch.equal(loaded[(name, key)], requantized(fmt, key, value)), (name, key)
 
 
 @pytest.mark.parametrize("fmt", OPTIMIZERS)
