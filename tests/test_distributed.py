@@ -219,6 +219,14 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
         train(model, optimizer, RESUME_STEPS, SAVE_AT)
         results[f"dcp-{fmt}-resumed-2"] = snapshot(model, optimizer)
 
+        # No DCP: each rank torch.save's its own optimizer.state_dict() (DTensors of its shards)
+        # and loads it back with weights_only=True.
+        path = out / f"per-rank-{fmt}-{rank}.pt"
+        torch.save(optimizer.state_dict(), path)
+        model, optimizer = new_fsdp(fmt)
+        optimizer.load_state_dict(torch.load(path, weights_only=True))
+        results[f"per-rank-{fmt}-loaded"] = snapshot(model, optimizer)
+
         # A single-process run's full state dict, continued under FSDP2 (every rank trains the
         # same plain model: no communication).
         plain = make_model()
@@ -592,6 +600,15 @@ def test_factored_statistics_under_hsdp_are_summed_over_shards_not_replicas(runs
         rows, columns = statistics["0.weight"]
         torch.testing.assert_close(rows, expected.row, rtol=FACTORED_ROUNDING_BOUND, atol=0)
         torch.testing.assert_close(columns, expected.col, rtol=FACTORED_ROUNDING_BOUND, atol=0)
+
+
+@pytest.mark.parametrize("fmt", OPTIMIZERS)
+def test_each_rank_saving_its_own_state_dict_with_torch_save_resumes_exactly(runs, fmt):
+    """``torch.save(optimizer.state_dict())`` on every rank, without DCP, loaded back with
+    ``weights_only=True`` into a fresh sharded optimizer: the same moments bit for bit."""
+    resumed, saved = runs[f"per-rank-{fmt}-loaded"]["moments"], runs[f"dcp-{fmt}-resumed-2"]["moments"]
+    for key, value in saved.items():
+        assert torch.equal(resumed[key], value), key
 
 
 @pytest.mark.parametrize("fmt", OPTIMIZERS)
