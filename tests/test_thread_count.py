@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import num_threads
 
-from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, FactoredState, QuantizedState
 
 SHAPES = [(301, 301), (33,)]  # quantized (whole blocks and a partial one); float32 state
 STEPS = 3
@@ -48,12 +48,17 @@ def run(cls, backend: str, threads: int) -> list[torch.Tensor]:
     for param in params:
         for key in ("exp_avg", "exp_avg_sq"):
             moment = optimizer.state[param][key]
-            results += [moment.codes, moment.scales] if isinstance(moment, QuantizedState) else [moment]
+            if isinstance(moment, QuantizedState):
+                results += [moment.codes, moment.scales]
+            elif isinstance(moment, FactoredState):
+                results += [moment.row, moment.col]
+            else:
+                results.append(moment)
     return results
 
 
 @pytest.mark.parametrize("backend", ["eager", "compile"])
-@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit, AdamWFactored4bit], ids=lambda c: c.__name__)
 def test_step_is_bit_identical_at_one_and_three_threads(cls, backend):
     if backend == "compile":
         run(cls, backend, torch.get_num_threads())  # compiled here at this process's count
