@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim.distributed import factored_from_float, is_dtensor, local, wrap_like
+from lowbit_optim.distributed import factored_from_float, is_dtensor, local, quantized_from_float, wrap_like
 from lowbit_optim.factored_state import FactoredState, factor_shape
 from lowbit_optim.functional import compute_dtype
 from lowbit_optim.state import MOMENT_KEYS, QuantizedState
@@ -302,20 +302,22 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
             value = converted[key] = foreign_float_values(value)
             if not optimizer.is_quantized(slot.param, group):
                 continue
-            if value.numel() != slot.param.numel():
+            if value.shape != slot.param.shape:
                 raise ValueError(
                     f"{slot.label}: {key} has shape {tuple(value.shape)}, not the parameter's"
                 )
-            if optimizer.is_factored(slot.param, group, key):
-                converted[key] = FactoredState.from_float(value.reshape(slot.param.shape),
-                                                          dtype=slot.param.dtype)
-                continue
-            converted[key] = QuantizedState.zeros(
-                value.shape, optimizer.moment_format(key), group["block_size"],
-                device=value.device, dtype=slot.param.dtype,
-            ).quantize_(value)
+            converted[key] = _stored_moment(optimizer, slot.param, group, key, value)
         state[saved_id] = converted
     return {**state_dict, "state": state, "param_groups": groups}
+
+
+def _stored_moment(optimizer, param, group: dict, key: str, values: torch.Tensor):
+    """Float ``values`` of ``param``'s shape (plain, or a DTensor of this rank's shard) as
+    ``optimizer`` keeps moment ``key``: factored, or quantized in its format and ``group``'s
+    block size (for a DTensor, over this rank's shard; factoring one is a collective)."""
+    if optimizer.is_factored(param, group, key):
+        return factored_from_float(values, param.dtype)
+    return quantized_from_float(values, optimizer.moment_format(key), group["block_size"], param.dtype)
 
 
 def foreign_float_values(value: torch.Tensor) -> torch.Tensor:
@@ -397,24 +399,20 @@ def _store_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
     model, hands them over whole; this turns them into stored moments again before they are
     checked. Loaded with the blocks that saved them this is exact (each block re-quantizes the
     values it dequantized, but see docs/distributed.md for negative-maximum blocks); otherwise
-    it costs one rounding. A ``torch.optim.AdamW`` state dict's plain moments are left to
-    ``from_torch_adamw``. Anything else is passed through, to be checked.
+    it costs one rounding. A ``torch.optim.AdamW`` state dict is left to ``from_torch_adamw``
+    (whose groups hold no block size). Anything else is passed through, to be checked.
     """
-    ours = not is_torch_adamw_state_dict(state_dict)
+    if is_torch_adamw_state_dict(state_dict):
+        return state_dict
 
     def convert(slot, key, value):
         group = {**optimizer.defaults, **slot.group}
         shard = local(value)
         is_float = (isinstance(shard, torch.Tensor) and not isinstance(shard, STORED_MOMENTS)
                     and shard.is_floating_point())
-        if (not is_float or not (ours or is_dtensor(value)) or value.shape != slot.param.shape
-                or not optimizer.is_quantized(slot.param, group)):
+        if not is_float or value.shape != slot.param.shape or not optimizer.is_quantized(slot.param, group):
             return None
-        if optimizer.is_factored(slot.param, group, key):
-            return factored_from_float(value, slot.param.dtype)
-        moment = QuantizedState.zeros(shard.shape, optimizer.moment_format(key), group["block_size"],
-                                      device=shard.device, dtype=slot.param.dtype)
-        return wrap_like(moment.quantize_(shard), value) if is_dtensor(value) else moment.quantize_(shard)
+        return _stored_moment(optimizer, slot.param, group, key, value)
 
     return _map_moments(state_dict, slots, convert)
 

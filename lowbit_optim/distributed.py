@@ -114,6 +114,13 @@ def sum_across_shards(tensor: torch.Tensor, groups: tuple) -> torch.Tensor:
     return tensor
 
 
+def quantized_from_float(values: torch.Tensor, fmt: QuantFormat, block_size: int, dtype: torch.dtype):
+    """A float moment (a DTensor of the shards' values, or a plain tensor) quantized in
+    ``fmt`` and laid out the same way: blocks over each rank's shard."""
+    return _like(values, lambda shard: QuantizedState.zeros(
+        shard.shape, fmt, block_size, device=shard.device, dtype=dtype).quantize_(shard))
+
+
 def factored_from_float(values: torch.Tensor, dtype: torch.dtype):
     """A float moment (a DTensor of the shards' values, or a plain tensor) factored into a
     ``FactoredState`` laid out the same way: row means of this rank's rows, column means over
