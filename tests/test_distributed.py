@@ -34,6 +34,7 @@ second weight's factors would cost more than its 4-bit map) and its ranks sum th
 statistics each step (issue 16): most tests run it too, the blockwise-only ones do not.
 """
 
+import gc
 import os
 import socket
 from pathlib import Path
@@ -174,9 +175,23 @@ def _init(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
-def _two_rank_worker(rank: int, port: int, out: str) -> None:
-    _init(rank, 2, port)
-    out = Path(out)
+def _worker(rank: int, world_size: int, port: int, out: str, runs, filename: str) -> None:
+    """``runs(rank, out)`` in a process group of ``world_size``; rank 0 saves what it returns."""
+    _init(rank, world_size, port)
+    results = runs(rank, Path(out))
+    if rank == 0:
+        torch.save(results, Path(out) / filename)
+    # Gloo aborts a process ("terminate called without an active exception", seen once in CI
+    # in the two-rank worker) when objects holding its work (FSDP2's modules and gradients)
+    # are freed after their process group is torn down or during interpreter exit
+    # (pytorch/pytorch#179291). ``runs`` has returned, so its models are unreferenced: free
+    # them now, and let every rank get here before any tears the group down.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _two_rank_runs(rank: int, out: Path) -> dict:
     results = {}
     for fmt in OPTIMIZERS:
         model, optimizer = new_fsdp(fmt)
@@ -253,9 +268,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     train(model, optimizer, STEPS, record=results["hsdp-factored-steps"])
     results["hsdp-factored-statistics"] = factored_statistics(optimizer, model)
     results["hsdp-factored-placements"] = str(model[0].weight.placements)
-    if rank == 0:
-        torch.save(results, out / "two-ranks.pt")
-    dist.destroy_process_group()
+    return results
 
 
 def _load(model, optimizer, path) -> None:
@@ -265,9 +278,7 @@ def _load(model, optimizer, path) -> None:
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
-def _one_rank_worker(rank: int, port: int, out: str) -> None:
-    _init(rank, 1, port)
-    out = Path(out)
+def _one_rank_runs(rank: int, out: Path) -> dict:
     results = {}
     for fmt in OPTIMIZERS:
         # 2 -> 1 rank, into a sharded (1-rank mesh) model and into a plain one.
@@ -310,8 +321,7 @@ def _one_rank_worker(rank: int, port: int, out: str) -> None:
         results["factored-column-shard-error"] = None
     except ValueError as error:
         results["factored-column-shard-error"] = str(error)
-    torch.save(results, out / "one-rank.pt")
-    dist.destroy_process_group()
+    return results
 
 
 def all_reduces_in(function) -> list[int]:
@@ -339,8 +349,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    mp.spawn(_two_rank_worker, args=(_free_port(), str(out)), nprocs=2)
-    mp.spawn(_one_rank_worker, args=(_free_port(), str(out)), nprocs=1)
+    mp.spawn(_worker, args=(2, _free_port(), str(out), _two_rank_runs, "two-ranks.pt"), nprocs=2)
+    mp.spawn(_worker, args=(1, _free_port(), str(out), _one_rank_runs, "one-rank.pt"), nprocs=1)
     return {**torch.load(out / "two-ranks.pt"), **torch.load(out / "one-rank.pt")}
 
 
