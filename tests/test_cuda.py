@@ -138,8 +138,8 @@ def test_cuda_training_loop_layout_rebuilds_copies_and_syncs(monkeypatch):
     same blocks); that copies one small table from pinned memory, the only host-to-device
     copy a step makes. After the first step nothing is planned or built from scratch, and
     no step synchronises with the device."""
-    from lowbit_optim import step_plan
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step import plan as step_plan
+    from lowbit_optim.step.kernels import layout as layouts
 
     events = []
 

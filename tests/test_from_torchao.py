@@ -1,6 +1,6 @@
 """A checkpoint of torchao's low-bit optimizer resumes in ours (issue 15), with real torchao:
 each of its AdamW8bit, AdamW4bit, AdamWFp8, Adam8bit, Adam4bit and AdamFp8 into our class of the
-same name; and such a checkpoint file read without torchao (``lowbit_optim.torchao_checkpoint``)."""
+same name; and such a checkpoint file read without torchao (``lowbit_optim.checkpoint.torchao``)."""
 
 import io
 import pathlib
@@ -15,8 +15,8 @@ import torch
 from test_checkpoint import assert_same_state
 
 from lowbit_optim import Adam4bit, Adam8bit, AdamFp8, AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
-from lowbit_optim.checkpoint import foreign_float_values
-from lowbit_optim.torchao_checkpoint import load_torchao_optimizer_state
+from lowbit_optim.checkpoint.load import foreign_float_values
+from lowbit_optim.checkpoint.torchao import load_torchao_optimizer_state
 
 torchao_optim = pytest.importorskip("torchao.optim")
 
@@ -113,7 +113,7 @@ class BlockTorchao:
 
 sys.meta_path.insert(0, BlockTorchao())
 import torch
-from lowbit_optim.torchao_checkpoint import load_torchao_optimizer_state
+from lowbit_optim.checkpoint.torchao import load_torchao_optimizer_state
 
 for source, target in zip(sys.argv[1::2], sys.argv[2::2]):
     torch.save(load_torchao_optimizer_state(source), target)

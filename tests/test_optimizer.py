@@ -5,7 +5,7 @@ import torch
 from conftest import relative_rmse
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
-from lowbit_optim.functional import round_to_bfloat16_stochastic
+from lowbit_optim.step.math import round_to_bfloat16_stochastic
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8]
 

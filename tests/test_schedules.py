@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.optim import lr_scheduler
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, backends, factored
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
+from lowbit_optim.step import factored, quantized
 
 STEPS = 30
 
@@ -25,7 +26,7 @@ def train_step(model, optimizer):
 def graph_count(optimizer):
     """Graphs of the optimizer's compiled steps (the factored class has two more functions:
     its statistics and its update)."""
-    count = backends.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
+    count = quantized.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
     if isinstance(optimizer, AdamWFactored4bit):
         count += factored.compiled_graph_count(optimizer.exp_avg_format)
     return count

@@ -1,12 +1,12 @@
-"""The Triton kernel against the eager reference (``functional.quantized_adamw_step``).
+"""The Triton kernel against the eager reference (``step.quantized.quantized_adamw_step``).
 
 On CPU the kernel runs under the Triton interpreter: ``TRITON_INTERPRET=1`` is set below,
-before ``lowbit_optim.kernels`` is imported, because Triton reads it when a kernel is defined
-(only ``lowbit_optim.backends`` imports the kernels otherwise, and only for the "triton"
+before ``lowbit_optim.step.kernels`` is imported, because Triton reads it when a kernel is defined
+(only ``lowbit_optim.step.dispatch`` imports the kernels otherwise, and only for the "triton"
 backend). CUDA-marked tests check what the interpreter cannot: the hardware bfloat16 cast,
 the absence of host-to-device copies, and no re-JIT when hyperparameters change.
 
-Tolerances (derived in the docstring of ``lowbit_optim/kernels/adamw_lowbit.py``). Scales
+Tolerances (derived in the docstring of ``lowbit_optim/step/kernels/adamw_lowbit.py``). Scales
 must be identical: the moments are computed operation for operation as in the reference. A
 code may differ from the reference's only by one step of its map, and only for a value whose
 normalised magnitude is within ``CODE_EDGE_RELATIVE * |x| + CODE_EDGE_ABSOLUTE`` of the
@@ -31,12 +31,12 @@ from lowbit_optim import (
     AdamWFactored4bit,
     AdamWFp8,
     FactoredState,
-    backends,
-    distributed,
 )
-from lowbit_optim.functional import StepScalars, StoredMoment, quantized_adamw_step
-from lowbit_optim.quant.formats import get_format
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.formats.catalog import get_format
+from lowbit_optim.state import QuantizedState, sharding
+from lowbit_optim.step.dispatch import resolve_backend
+from lowbit_optim.step.math import StepScalars
+from lowbit_optim.step.quantized import StoredMoment, quantized_adamw_step
 
 pytest.importorskip("triton")
 # NaN gradients (the non-finite policy) flow into the interpreter's numpy division before the
@@ -49,8 +49,8 @@ _saved_interpret = os.environ.get("TRITON_INTERPRET")
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
-    from lowbit_optim import kernels
-    from lowbit_optim.kernels import adamw_lowbit
+    from lowbit_optim.step import kernels
+    from lowbit_optim.step.kernels import adamw_lowbit
 finally:
     os.environ.pop("TRITON_INTERPRET", None)
     if _saved_interpret is not None:
@@ -79,7 +79,8 @@ def interpreter(monkeypatch):
     if HAS_CUDA:
         pytest.skip("the kernel is compiled for CUDA here; the interpreter tests run in CPU CI")
     if not kernels.is_interpreted():
-        pytest.fail("lowbit_optim.kernels was imported before TRITON_INTERPRET=1 was set in this process")
+        pytest.fail("lowbit_optim.step.kernels was imported before TRITON_INTERPRET=1 was set in this "
+                    "process")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
@@ -315,7 +316,7 @@ def test_misaligned_tensor_launches_alone(kind, launches):
 def test_odd_size_splits_off_its_last_block(kind, launches, monkeypatch):
     """An aligned parameter of 4097 elements: its whole blocks take the aligned launch and only
     its last, partial block the unaligned one."""
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step.kernels import layout as layouts
 
     seen = []
     real = adamw_lowbit._launch_one
@@ -484,13 +485,13 @@ def test_op_rejects_bad_input():
 def test_backend_resolution(monkeypatch):
     cpu = [torch.device("cpu")]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert backends.resolve_backend(None, cpu) == "compile"
-    assert backends.resolve_backend("triton", cpu) == "triton"
+    assert resolve_backend(None, cpu) == "compile"
+    assert resolve_backend("triton", cpu) == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert backends.resolve_backend(None, cpu) == "compile"
+    assert resolve_backend(None, cpu) == "compile"
     with pytest.raises(ValueError, match="needs CUDA parameters"):
         AdamW8bit([torch.nn.Parameter(torch.zeros(5000))], backend="triton")
-    assert backends.resolve_backend(None, [torch.device("cuda")]) == "triton"
+    assert resolve_backend(None, [torch.device("cuda")]) == "triton"
 
 
 # --- CUDA: what the interpreter cannot show ---------------------------------------------------
@@ -585,7 +586,7 @@ def test_cuda_matches_eager_no_copies_no_rejit(optimizer_class):
 def test_layout_table_and_cache_key_include_dtypes():
     """The table holds each tensor's offset in elements from its list's first tensor; the same
     addresses with another element size are another layout, not a cache hit."""
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step.kernels import layout as layouts
 
     layouts.clear_cache()
     buffer = torch.zeros(64)
@@ -605,7 +606,7 @@ def test_layout_table_and_cache_key_include_dtypes():
 
 
 def test_split_aligned_keeps_the_rest_together():
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step.kernels import layout as layouts
 
     good = [torch.zeros(256) for _ in range(3)]
     odd_size, odd_view = torch.zeros(100), torch.zeros(257)[1:]
@@ -690,6 +691,6 @@ def test_optimizer_stochastic_rounding_resumes_exactly_without_rng_state(monkeyp
     torch.manual_seed(123)  # a fresh process: another generator state
     resumed, _ = run(grads[2:], resume_from=middle)
     assert torch.equal(resumed, uninterrupted)
-    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    monkeypatch.setattr(sharding, "rank", lambda: 1)
     other_rank, _ = run(grads)
     assert not torch.equal(other_rank, uninterrupted)

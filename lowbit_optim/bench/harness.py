@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
+from lowbit_optim.optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 
 
 @dataclass(frozen=True)

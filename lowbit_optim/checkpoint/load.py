@@ -21,10 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim.distributed import factored_from_float, is_dtensor, local, quantized_from_float, wrap_like
-from lowbit_optim.factored_state import FactoredState, factor_shape
-from lowbit_optim.functional import compute_dtype
-from lowbit_optim.state import MOMENT_KEYS, QuantizedState
+from lowbit_optim.state.factored import FactoredState, factor_shape
+from lowbit_optim.state.quantized import MOMENT_KEYS, QuantizedState
+from lowbit_optim.state.sharding import (
+    factored_from_float,
+    is_dtensor,
+    local,
+    quantized_from_float,
+    wrap_like,
+)
+from lowbit_optim.step.math import compute_dtype
 
 # Group options only this package has; a state dict without them was saved by another optimizer.
 LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round")

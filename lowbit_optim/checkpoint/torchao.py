@@ -121,7 +121,7 @@ class _Unpickler(pickle.Unpickler):
 
 # What torch.load asks of its ``pickle_module``.
 _PICKLE_MODULE = types.SimpleNamespace(
-    __name__="lowbit_optim.torchao_checkpoint", Unpickler=_Unpickler,
+    __name__="lowbit_optim.checkpoint.torchao", Unpickler=_Unpickler,
     load=lambda file, **kwargs: _Unpickler(file, **kwargs).load(),
 )
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit_optim.quant import codecs
+from lowbit_optim.formats import codecs
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ may take the other neighbour, never a farther code; tests bound how often and by
 
 import torch
 
-from lowbit_optim.quant import maps
+from lowbit_optim.formats import maps
 
 
 class SmallTableCodec:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from lowbit_optim.adamw import AdamW8bit
-from lowbit_optim.offload_transfers import Transfers
+from lowbit_optim.offload.transfers import Transfers
+from lowbit_optim.optim.adamw import AdamW8bit
 
 
 @dataclass(eq=False)

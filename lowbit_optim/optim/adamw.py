@@ -2,10 +2,7 @@
 classes, that weight decay is L2; for the factored one, which second moments are factored),
 nothing more."""
 
-from lowbit_optim.distributed import check_rows_sharded
-from lowbit_optim.factored_state import factor_shape
-from lowbit_optim.optimizer import LowBitAdamW
-from lowbit_optim.quant.formats import (
+from lowbit_optim.formats.catalog import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
     DYNAMIC_8BIT_UNSIGNED_NONZERO,
@@ -13,6 +10,9 @@ from lowbit_optim.quant.formats import (
     FLOAT8_NONZERO,
     LINEAR_4BIT_NONZERO,
 )
+from lowbit_optim.optim.base import LowBitAdamW
+from lowbit_optim.state.factored import factor_shape
+from lowbit_optim.state.sharding import check_rows_sharded
 
 
 class AdamW8bit(LowBitAdamW):
@@ -50,7 +50,7 @@ class AdamWFactored4bit(LowBitAdamW):
     """AdamW with a 4-bit first moment and, for parameters with at least two dimensions, a
     factored second moment (lpmm's "4-bit Factor"): per-row and per-column float32
     statistics of the ``(rows, last dim)`` view, as Adafactor keeps (``FactoredState``,
-    ``lowbit_optim.factored``), about half a byte per parameter. One-dimensional parameters,
+    ``lowbit_optim.step.factored``), about half a byte per parameter. One-dimensional parameters,
     and those whose factors would cost more than half a byte per element, keep
     ``AdamW4bit``'s 4-bit second moment. Same arguments as ``AdamW4bit``; ``amsgrad`` is not
     supported (the maximum of a factored moment is not the factored maximum). Under FSDP2 each

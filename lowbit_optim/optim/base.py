@@ -12,12 +12,15 @@ the optimizer owns (see ``hyperparams``).
 import torch
 from torch.optim import Optimizer
 
-from lowbit_optim import backends, checkpoint, distributed
-from lowbit_optim.functional import compute_dtype
-from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
-from lowbit_optim.quant.formats import QuantFormat
-from lowbit_optim.state import MOMENT_KEYS
-from lowbit_optim.step_plan import GroupPlan
+from lowbit_optim.checkpoint import load as checkpoint
+from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.state import sharding
+from lowbit_optim.state.quantized import MOMENT_KEYS
+from lowbit_optim.step.chunks import TailScratch
+from lowbit_optim.step.dispatch import resolve_backend
+from lowbit_optim.step.hyperparams import GroupScalars, check_hyperparameters
+from lowbit_optim.step.math import compute_dtype
+from lowbit_optim.step.plan import GroupPlan
 
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
@@ -52,13 +55,13 @@ class LowBitAdamW(Optimizer):
         self._init_step_helpers()
         super().__init__(params, defaults)
         # From the parameters' devices: None picks "triton" only when they are all CUDA.
-        self.backend = backends.resolve_backend(backend, self._devices())
+        self.backend = resolve_backend(backend, self._devices())
 
     def _init_step_helpers(self) -> None:
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
         self._group_scalars: list[GroupScalars] = []
-        self._tail_scratch = backends.TailScratch()
-        self._plans: list[GroupPlan | None] = []  # per param group (step_plan)
+        self._tail_scratch = TailScratch()
+        self._plans: list[GroupPlan | None] = []  # per param group (step.plan)
 
     def _devices(self) -> list[torch.device]:
         return [p.device for group in self.param_groups for p in group["params"]]
@@ -72,7 +75,7 @@ class LowBitAdamW(Optimizer):
         super().__setstate__(state)
         self._init_step_helpers()
         if "backend" not in self.__dict__:
-            self.backend = backends.resolve_backend(None, self._devices())
+            self.backend = resolve_backend(None, self._devices())
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -154,7 +157,7 @@ class LowBitAdamW(Optimizer):
         """Whether ``param``'s moments are quantized (else float32, float64 for float64).
 
         ``numel()`` of an FSDP2 (DTensor) parameter is its global size: the decision never
-        depends on how it is sharded (see lowbit_optim.distributed)."""
+        depends on how it is sharded (see lowbit_optim.state.sharding)."""
         return param.numel() > 0 and param.numel() >= group["min_quant_size"]
 
     def is_factored(self, param: torch.Tensor, group: dict, key: str) -> bool:
@@ -166,9 +169,9 @@ class LowBitAdamW(Optimizer):
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in self.moment_keys(group):
             if self.is_factored(param, group, key):
-                state[key] = distributed.zeros_factored_state(param)
+                state[key] = sharding.zeros_factored_state(param)
             elif self.is_quantized(param, group):
-                state[key] = distributed.zeros_state(param, self.moment_format(key), group["block_size"])
+                state[key] = sharding.zeros_state(param, self.moment_format(key), group["block_size"])
             else:
                 state[key] = torch.zeros_like(param, dtype=compute_dtype(param),
                                               memory_format=torch.preserve_format)
@@ -243,7 +246,7 @@ class LowBitAdamW(Optimizer):
         while len(self._plans) < len(self.param_groups):
             self._plans.append(None)
         # Every group's gradients are checked before anything changes: through its plan's
-        # comparisons when it has one that still holds, else one by one (step_plan).
+        # comparisons when it has one that still holds, else one by one (step.plan).
         gradients = []
         for index, group in enumerate(self.param_groups):
             plan = self._plans[index]
@@ -263,13 +266,13 @@ class LowBitAdamW(Optimizer):
                 grads, lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
                 eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
                 maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
-                scratch=self._tail_scratch, rounding_stream=(distributed.rank() << 16) | index,
+                scratch=self._tail_scratch, rounding_stream=(sharding.rank() << 16) | index,
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )
 
     def _init_group(self, group: dict) -> GroupPlan:
         """The group's parameters that have a gradient, with their state (created on first
-        use), planned for this and later steps (``step_plan``); FSDP2 DTensors as this rank's
+        use), planned for this and later steps (``step.plan``); FSDP2 DTensors as this rank's
         local shards."""
         for param in group["params"]:
             if param.grad is not None:

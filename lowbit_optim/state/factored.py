@@ -8,22 +8,24 @@ second moment it stands for is their outer product normalised by the overall mea
 ``v[i, j] = row[i] * col[j] / mean(col)``, exact when ``v`` has rank one. It costs
 ``4 * (rows + columns)`` bytes instead of one value per element.
 
-Like ``QuantizedState`` it only stores and converts (the step is ``lowbit_optim.factored``)
+Like ``QuantizedState`` it only stores and converts (the step is ``lowbit_optim.step.factored``)
 and looks like a tensor of the parameter's shape and dtype, so that ``state_dict``,
 ``load_state_dict``'s dtype cast, ``torch.save`` and ``copy.deepcopy`` handle it. Supported
 aten ops: ``detach``/``alias`` (same vectors), ``clone``, ``_to_copy`` (moves the vectors; a
 dtype cast only relabels), ``is_pinned``, and ``constant_pad_nd`` / ``all_gather_into_tensor``
 on the reconstructed values (DTensor's ``full_tensor()``), all shared with ``QuantizedState``
-(``lowbit_optim.stored_tensor``); and its own ``copy_`` (float -> state factors the values;
+(``lowbit_optim.state.stored_tensor``); and its own ``copy_`` (float -> state factors the values;
 state -> float reconstructs them), ``zeros_like``/``empty_like``, ``equal``,
 ``view``/``reshape`` (same last dimension), and ``slice`` along dim 0 (whole rows: a view of
 those rows' statistics and the same columns' — how ``torch.distributed.checkpoint`` reshards
 an FSDP2 moment).
 """
 
+import sys
+
 import torch
 
-from lowbit_optim.stored_tensor import SHARED_HANDLERS, StoredTensor, infer_shape
+from lowbit_optim.state.stored_tensor import SHARED_HANDLERS, StoredTensor, infer_shape
 
 aten = torch.ops.aten
 
@@ -54,6 +56,13 @@ def normalized_columns(col: torch.Tensor, *, out: torch.Tensor | None = None) ->
 
 
 class FactoredState(StoredTensor):
+    # The name torch.save writes for this class, and torch.load(weights_only=True) checks. It
+    # was defined in ``lowbit_optim/factored_state.py`` when the first checkpoints were
+    # written; keeping that name (an alias module, registered at the end of this file) lets
+    # those files load and makes new ones byte-identical to them and readable by older
+    # versions (tests/test_saved_checkpoints.py).
+    __module__ = "lowbit_optim.factored_state"
+
     row: torch.Tensor
     col: torch.Tensor
 
@@ -195,4 +204,5 @@ FactoredState._handlers = {
     aten._unsafe_view.default: _view,
 }
 
+sys.modules.setdefault(FactoredState.__module__, sys.modules[__name__])
 torch.serialization.add_safe_globals([FactoredState])

@@ -3,8 +3,8 @@
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from lowbit_optim.factored_state import FactoredState
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.state.factored import FactoredState
+from lowbit_optim.state.quantized import QuantizedState
 
 
 def tensor_state_bytes(value) -> int:

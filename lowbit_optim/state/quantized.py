@@ -1,12 +1,12 @@
 """``QuantizedState``: an optimizer moment stored as blockwise codes plus per-block scales.
 
 The subclass only stores and converts; the AdamW math never runs through it (the step works
-on its ``codes`` and ``scales`` directly, see ``lowbit_optim.functional``). It looks like a
+on its ``codes`` and ``scales`` directly, see ``lowbit_optim.step.quantized``). It looks like a
 tensor of the parameter's shape and dtype so that ``torch.optim.Optimizer`` machinery
 (``state_dict``, ``load_state_dict``'s dtype/device cast, ``torch.save``) handles it.
 
 Supported aten ops, and what each means here (the first five rows are
-``lowbit_optim.stored_tensor``'s, shared with ``FactoredState``):
+``lowbit_optim.state.stored_tensor``'s, shared with ``FactoredState``):
 
 =====================  ==================================================================
 ``detach``, ``alias``   same codes and scales (shared storage)
@@ -26,15 +26,15 @@ tensor``
 ``_unsafe_view``
 ``equal``               compares format, shape, codes and scales
 ``slice``               a contiguous range (DCP resharding): whole blocks are a view, any
-                        other range a ``lowbit_optim.quantized_slice.QuantizedSlice``
+                        other range a ``lowbit_optim.state.quantized_slice.QuantizedSlice``
 =====================  ==================================================================
 """
 
 import torch
 
-from lowbit_optim.quant.formats import QuantFormat, get_format
-from lowbit_optim.quantized_slice import QuantizedSlice
-from lowbit_optim.stored_tensor import SHARED_HANDLERS, StoredTensor, infer_shape
+from lowbit_optim.formats.catalog import QuantFormat, get_format
+from lowbit_optim.state.quantized_slice import QuantizedSlice
+from lowbit_optim.state.stored_tensor import SHARED_HANDLERS, StoredTensor, infer_shape
 
 aten = torch.ops.aten
 
@@ -43,6 +43,11 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class QuantizedState(StoredTensor):
+    # The name torch.save writes for this class, and torch.load(weights_only=True) checks:
+    # the package that exports it rather than this file, so that checkpoints do not depend on
+    # where in the package the class is defined (tests/test_saved_checkpoints.py).
+    __module__ = "lowbit_optim.state"
+
     codes: torch.Tensor
     scales: torch.Tensor
     format_name: str
@@ -97,6 +102,7 @@ class QuantizedState(StoredTensor):
 
     def quantize_(self, tensor: torch.Tensor) -> "QuantizedState":
         """Store ``tensor`` (same number of elements) into these codes and scales."""
+
         if tensor.numel() != self.numel():
             raise ValueError(
                 f"cannot quantize a tensor of {tensor.numel()} elements into a state of "
@@ -188,7 +194,7 @@ def _slice(state, dim=0, start=None, end=None, step=1):
 
     ``torch.distributed.checkpoint`` narrows saved and target tensors this way when it
     reshards. A range on block boundaries is a view of whole blocks (reads and writes are
-    exact); any other range is a ``QuantizedSlice`` (see ``lowbit_optim.quantized_slice``).
+    exact); any other range is a ``QuantizedSlice`` (see ``lowbit_optim.state.quantized_slice``).
     """
     shape = list(state.shape)
     dim %= len(shape)

@@ -4,7 +4,7 @@
 saved (``QuantizedState``'s ``aten.slice`` handler returns one). Kept apart from
 ``QuantizedState`` because only resharding needs it; it reaches its state only through the
 state's public methods (``dequantize``, ``codes``, ``scales``, ``format``), so this module
-imports nothing of ours and ``state.py`` can import it without a cycle.
+imports nothing of ours and ``state.quantized`` can import it without a cycle.
 """
 
 import torch

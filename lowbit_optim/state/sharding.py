@@ -17,7 +17,7 @@ the other rows (``sum_across_shards``, one all-reduce per step for all of a grou
 parameters). Every rank then holds the same column statistics as an unsharded run would.
 
 DDP needs nothing here: its parameters are plain tensors, replicated on every rank.
-Distributed checkpoints: resharding a quantized moment is ``lowbit_optim.quantized_slice``,
+Distributed checkpoints: resharding a quantized moment is ``lowbit_optim.state.quantized_slice``,
 a factored one slices whole rows (``FactoredState``'s ``slice``); full state dicts gathered
 from shards are re-quantized (or re-factored) on load by ``lowbit_optim.checkpoint``.
 """
@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lowbit_optim.factored_state import FactoredState, factor_shape
-from lowbit_optim.quant.formats import QuantFormat
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.state.factored import FactoredState, factor_shape
+from lowbit_optim.state.quantized import QuantizedState
 
 
 def rank() -> int:

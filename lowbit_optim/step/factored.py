@@ -1,19 +1,19 @@
 """The step of a parameter whose second moment is factored (``AdamWFactored4bit``).
 
-Two passes over the parameter, each in bounded chunks (``backends.CHUNK_ELEMENTS``), so no
+Two passes over the parameter, each in bounded chunks (``chunks.CHUNK_ELEMENTS``), so no
 parameter-sized float32 temporary is ever made:
 
 1. ``second_moment_means``: per chunk of rows of the ``(rows, columns)`` view, the means over
    columns and (this chunk's share of) over rows of ``(1 - beta2) * g**2``
-   (``functional.squared_gradient_term``). They update the statistics as Adafactor does:
+   (``math.squared_gradient_term``). They update the statistics as Adafactor does:
    ``row = beta2 * row + mean_j(...)``, ``col = beta2 * col + mean_i(...)``. Each term is
    divided before it is summed: a sum of terms torch's AdamW keeps finite (a gradient of
    1e20 gives 1e37) would overflow float32 over a few dozen columns, and the statistics would
    become inf, the parameter NaN.
 2. ``factored_adamw_step``: per chunk of whole quantization blocks, the 4-bit first moment
    is decoded, updated and re-encoded as in ``quantized_adamw_step``, and each element's
-   second moment is ``row[i] * col[j] / mean(col)`` (``factored_state.reconstruct``), found
-   from its flat index. The parameter moves by ``functional.parameter_update`` with the
+   second moment is ``row[i] * col[j] / mean(col)`` (``state.factored.reconstruct``), found
+   from its flat index. The parameter moves by ``math.parameter_update`` with the
    ratio ``exp_avg / denom`` clamped at Adam's own bound (``adam_ratio_bound``): the
    factored ``v`` can underestimate an element's own second moment by up to
    ``min(rows, columns)`` times (an identity-like gradient), and the clamp keeps every update
@@ -30,9 +30,12 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from lowbit_optim import distributed
-from lowbit_optim.factored_state import factor_shape, normalized_columns
-from lowbit_optim.functional import (
+from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.state import sharding
+from lowbit_optim.state.factored import factor_shape, normalized_columns
+from lowbit_optim.step import chunks
+from lowbit_optim.step.chunks import for_each_block_chunk, with_own_code_object
+from lowbit_optim.step.math import (
     bias_corrections,
     compute_dtype,
     effective_gradient,
@@ -41,7 +44,6 @@ from lowbit_optim.functional import (
     squared_gradient_term,
     write_param,
 )
-from lowbit_optim.quant.formats import QuantFormat
 
 
 def adam_ratio_bound(beta1, beta2, step):
@@ -118,8 +120,6 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
 @functools.cache
 def compiled_functions(exp_avg_format: QuantFormat):
     """``(second_moment_means, factored_adamw_step)`` compiled, once per process and format."""
-    from lowbit_optim.backends import with_own_code_object  # backends imports this module
-
     suffix = exp_avg_format.name.replace("-", "_")
     return (
         torch.compile(with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"),
@@ -141,7 +141,7 @@ def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
 def _call(function, compiled: bool, dynamic_dims: dict, *args, **kwargs):
     """``function(*args, **kwargs)``; compiled, with the sizes in ``dynamic_dims`` (argument
     position -> dims) marked dynamic so that one graph serves every shape (size-oblivious
-    reasoning: see ``backends._call``)."""
+    reasoning: see ``quantized._call``)."""
     if not compiled:
         return function(*args, **kwargs)
     for position, dims in dynamic_dims.items():
@@ -152,10 +152,10 @@ def _call(function, compiled: bool, dynamic_dims: dict, *args, **kwargs):
 
 
 class FactoredParams:
-    """The factored parameters of one ``backends.AdamWPlan``, stepped together in place with
+    """The factored parameters of one ``dispatch.AdamWPlan``, stepped together in place with
     ``"compile"`` or ``"eager"``: every parameter's statistics pass first, then, for FSDP2
     shards, one all-reduce of all their column means' shares per set of process groups (each
-    rank holds other rows: ``distributed.sum_across_shards``), then every update pass.
+    rank holds other rows: ``sharding.sum_across_shards``), then every update pass.
 
     ``entries``: ``(index, ParamStep)`` of this rank's tensors, indices into the plan's
     gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
@@ -169,7 +169,7 @@ class FactoredParams:
         self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
         buckets: dict[tuple, list[int]] = {}
         for position, ((_, entry), param) in enumerate(zip(entries, params)):
-            key = (distributed.shard_groups(param), entry.exp_avg_sq.col.device)
+            key = (sharding.shard_groups(param), entry.exp_avg_sq.col.device)
             buckets.setdefault(key, []).append(position)
         self.column_means: list[torch.Tensor | None] = [None] * len(entries)
         self.reductions = []  # (flat column means, process groups) for sharded parameters
@@ -183,7 +183,7 @@ class FactoredParams:
 
     def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, *, maximize: bool,
             stochastic_round: bool, decoupled_weight_decay: bool) -> None:
-        """One step of every factored parameter (``hyper``: a ``functional.StepScalars``
+        """One step of every factored parameter (``hyper``: a ``math.StepScalars``
         whose ``step`` is ignored: each entry has its own)."""
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         for position, (index, entry) in enumerate(self.entries):
@@ -191,7 +191,7 @@ class FactoredParams:
                                         hyper.weight_decay, self.column_means[position],
                                         self.all_rows[position], scratch, flags)
         for flat, groups in self.reductions:
-            distributed.sum_across_shards(flat, groups)
+            sharding.sum_across_shards(flat, groups)
         # The bias corrections and Adam's bound depend on the step count only, which the
         # parameters of a plan nearly always share: worked out once per count, not per
         # parameter (a dozen 0-d host operations each).
@@ -214,7 +214,6 @@ class FactoredParams:
         """Pass 1: this step's row statistics (in place), and this shard's share of the
         column means of ``(1 - beta2) * g**2`` (over ``all_rows`` rows) into
         ``column_means``, a bounded chunk of rows at a time."""
-        from lowbit_optim.backends import CHUNK_ELEMENTS  # (an import cycle)
 
         compiled = backend == "compile"
         statistics_step = compiled_functions(entry.exp_avg.format)[0] if compiled else second_moment_means
@@ -226,7 +225,7 @@ class FactoredParams:
         columns_scalar = scratch.index_scalar("columns").fill_(columns)
         all_rows_scalar = scratch.index_scalar("all_rows").fill_(all_rows)
         column_means.zero_()
-        chunk_rows = max(1, CHUNK_ELEMENTS // columns)
+        chunk_rows = max(1, chunks.CHUNK_ELEMENTS // columns)
         for first in range(0, rows, chunk_rows):
             chunk = slice(first, min(first + chunk_rows, rows))
             row_means, column_shares = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
@@ -240,7 +239,6 @@ class FactoredParams:
                 flags) -> None:
         """Pass 2: the first moment and the parameter, a bounded chunk of whole quantization
         blocks at a time (``step_scalars``: the two bias corrections and Adam's bound)."""
-        from lowbit_optim.backends import for_each_block_chunk  # (an import cycle)
 
         param, grad, exp_avg, factored, _, _ = entry
         compiled = backend == "compile"

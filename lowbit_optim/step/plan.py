@@ -5,7 +5,7 @@ into a kind, check and read the addresses of its eight tensors, key a layout cac
 per parameter of Python (issue 17, item 3). Nearly all of it depends on things that stay the
 same from one step to the next: which parameters the group holds, which of them have a
 gradient, their states, their data pointers, dtypes and shapes, the step counts kept equal
-within a kind. ``GroupPlan`` keeps what was worked out (``backends.AdamWPlan`` and, for the
+within a kind. ``GroupPlan`` keeps what was worked out (``dispatch.AdamWPlan`` and, for the
 Triton backend, each kind's launches and layouts) together with exactly those facts, and
 ``gradients`` compares them with the group as it is now using C-level map/compare over lists
 (no Python loop per parameter), so a stale plan is never used:
@@ -35,9 +35,11 @@ from operator import attrgetter, is_not
 
 import torch
 
-from lowbit_optim import backends, distributed
-from lowbit_optim.functional import consecutive_views
-from lowbit_optim.state import MOMENT_KEYS
+from lowbit_optim.state import sharding
+from lowbit_optim.state.quantized import MOMENT_KEYS
+from lowbit_optim.step import dispatch
+from lowbit_optim.step.chunks import ParamStep
+from lowbit_optim.step.float_state import consecutive_views
 
 # Read with C-level getters in one pass per list: a parameter's dtype and shape as one tuple,
 # a gradient's with ``is_sparse`` (planned as False), so that a single list comparison checks
@@ -51,15 +53,15 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 def _flatten_float_moments(state_dicts: list[dict]) -> None:
-    """Make the float moments of small parameters (those ``backends`` steps together) views of
+    """Make the float moments of small parameters (those ``dispatch`` steps together) views of
     one tensor per moment, dtype and device, consecutive in parameter order (values, shapes
     and dtypes unchanged): the flat step then updates them in place instead of gathering and
-    scattering them (``functional.FloatStateStep``)."""
+    scattering them (``float_state.FloatStateStep``)."""
     groups: dict[tuple, list[dict]] = {}
     for state_dict in state_dicts:
         for key in MOMENT_KEYS:
             moment = state_dict.get(key)
-            if type(moment) is torch.Tensor and moment.numel() < backends.FLAT_FLOAT_STATE_BELOW:
+            if type(moment) is torch.Tensor and moment.numel() < dispatch.FLAT_FLOAT_STATE_BELOW:
                 groups.setdefault((key, moment.dtype, moment.device), []).append(state_dict)
     for (key, _, _), group in groups.items():
         moments = [state_dict[key] for state_dict in group]
@@ -104,14 +106,14 @@ class GroupPlan:
             self.expected_steps = self.step_counts.clone()
         _flatten_float_moments(self.state_dicts)
         self.state_values = _state_values(self.state_dicts)
-        self.has_dtensor = any(map(distributed.is_dtensor, self.with_grad))
-        local = distributed.local  # FSDP2: each rank steps its own shards
+        self.has_dtensor = any(map(sharding.is_dtensor, self.with_grad))
+        local = sharding.local  # FSDP2: each rank steps its own shards
         entries = [
-            backends.ParamStep(local(param), local(grad), local(s["exp_avg"]), local(s["exp_avg_sq"]),
+            ParamStep(local(param), local(grad), local(s["exp_avg"]), local(s["exp_avg_sq"]),
                                local(s.get("max_exp_avg_sq")), s["step"])
             for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
         ]
-        self.adamw = backends.AdamWPlan(entries, backend, self.with_grad)
+        self.adamw = dispatch.AdamWPlan(entries, backend, self.with_grad)
 
     def gradients(self, params: list[torch.Tensor], state: dict, backend: str) -> list[torch.Tensor] | None:
         """The gradients to step with (of the parameters that have one, in order), or ``None``
@@ -138,7 +140,7 @@ class GroupPlan:
         if len(values) != len(self.state_values) or any(map(is_not, values, self.state_values)):
             return None
         if self.has_dtensor:
-            grads = [*map(distributed.local, grads)]
+            grads = [*map(sharding.local, grads)]
         return grads
 
     def steps_unchanged(self) -> bool:
@@ -147,7 +149,7 @@ class GroupPlan:
         return self.step_counts is None or torch.equal(self.step_counts, self.expected_steps)
 
     def step(self, grads: list[torch.Tensor], **options) -> None:
-        """Advance the step counts and step every parameter (``backends.AdamWPlan.run``)."""
+        """Advance the step counts and step every parameter (``dispatch.AdamWPlan.run``)."""
         if self.step_counts is None:
             return
         self.step_counts += 1

@@ -11,7 +11,7 @@ scalars, so a schedule neither recompiles anything nor copies anything to the de
 (formats, block size, dtypes, device, step count, amsgrad) and makes one launch per kind, so
 the number of launches does not grow with the number of parameters. ``StepGroupPlan`` is the
 same with the sorting, the launches' split and their layouts worked out once: what
-``LowBitAdamW`` keeps between steps (``lowbit_optim.step_plan``).
+``LowBitAdamW`` keeps between steps (``lowbit_optim.step.plan``).
 """
 
 from typing import NamedTuple
@@ -19,10 +19,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lowbit_optim.backends import ParamStep
-from lowbit_optim.kernels import adamw_lowbit
-from lowbit_optim.kernels.plan import KindPlan
-from lowbit_optim.quant.formats import get_format
+from lowbit_optim.formats.catalog import get_format
+from lowbit_optim.step.chunks import ParamStep
+from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.kernels.plan import KindPlan
 
 _MUTATED = ("params", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales",
             "max_exp_avg_sq_codes", "max_exp_avg_sq_scales")
@@ -133,7 +133,7 @@ class StepGroupPlan:
     Built from entries as ``step_group`` takes them; ``run`` steps them with the gradients
     given (one per entry, in order, same shapes and dtypes as when planned). The optimizer
     keeps one per param group while its parameters, states and step counts stay as they were
-    (``lowbit_optim.step_plan``), so a step does per parameter only what depends on the
+    (``lowbit_optim.step.plan``), so a step does per parameter only what depends on the
     gradients: their addresses (``kernels.plan.KindPlan``). Non-contiguous parameters step
     through contiguous buffers kept here, so their addresses stay put too.
     """

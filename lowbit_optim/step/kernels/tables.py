@@ -1,11 +1,11 @@
 """The quantization maps as the Triton kernel reads them, computed from the public tables
-(``QuantFormat.table``, ``lowbit_optim.quant.maps``) and codecs: which encoder, what it reads
+(``QuantFormat.table``, ``lowbit_optim.formats.maps``) and codecs: which encoder, what it reads
 besides the values (the float32 bin edges), and their device copies."""
 
 import torch
 
-from lowbit_optim.quant import codecs, maps
-from lowbit_optim.quant.formats import QuantFormat
+from lowbit_optim.formats import codecs, maps
+from lowbit_optim.formats.catalog import QuantFormat
 
 # The kernel's CODEC constexpr. LINEAR: (k + 1) / 2**bits, encoded and decoded by arithmetic;
 # TABLE: binary search over the midpoints of a map whose code 0 is the one nearest 0
@@ -21,7 +21,7 @@ def _is_float8(fmt: QuantFormat) -> bool:
 
 
 def codec_kind(fmt: QuantFormat) -> int:
-    """The kernel's encoder for ``fmt``, judged from its codec and map (``lowbit_optim.quant``)."""
+    """The kernel's encoder for ``fmt``, judged from its codec and map (``lowbit_optim.formats``)."""
     table = fmt.table
     if table.numel() != 1 << fmt.bits or fmt.bits not in (4, 8):
         raise ValueError(f"format {fmt.name!r} has no Triton encoder")

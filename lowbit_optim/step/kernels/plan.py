@@ -21,10 +21,10 @@ from array import array
 
 import torch
 
-from lowbit_optim.kernels import adamw_lowbit
-from lowbit_optim.kernels import layout as layouts
-from lowbit_optim.kernels.tables import device_tables
-from lowbit_optim.quant.formats import QuantFormat
+from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.kernels import layout as layouts
+from lowbit_optim.step.kernels.tables import device_tables
 
 GRAD_ROW = 1  # the gradients' list among the kernel's eight (adamw_lowbit.tensor_lists_of)
 

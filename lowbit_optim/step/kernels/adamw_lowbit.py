@@ -13,7 +13,7 @@ Per element, with ``m, v`` (and ``v_max`` under amsgrad) decoded from their code
 
 then each moment is requantized per block: ``scale = max |x|`` over the block's finite
 values, ``code = nearest(x * (1 / scale))``. The oracle is
-``lowbit_optim.functional.quantized_adamw_step`` (tests/test_triton.py). The moments
+``lowbit_optim.step.quantized.quantized_adamw_step`` (tests/test_triton.py). The moments
 ``m', v', v_max'`` and the block scales are computed operation for operation as there
 (multiply-add contraction is off: ``enable_fp_fusion=False``), so scales match bit for bit.
 Three places trade IEEE-exact forms for cheap ones (issue 14: the IEEE forms cost ~45 SASS
@@ -57,7 +57,7 @@ Layout: a program takes ``ROWS`` consecutive blocks of one parameter and works o
 high halves of each block, which is exactly the 4-bit packing (byte ``k`` holds element ``k``
 in its low nibble and element ``k + block_size / 2`` in its high nibble). Which parameter a
 program serves, and where that parameter's tensors are, comes from the multi-tensor layout
-(``lowbit_optim.kernels.layout``): one launch covers every parameter of a kind whose tensors
+(``lowbit_optim.step.kernels.layout``): one launch covers every parameter of a kind whose tensors
 are 16-element aligned and whose size is a multiple of 16, with ``tl.multiple_of`` hints so
 that parameters, gradients and codes move with 128-bit loads and stores; the others go to a
 second launch of the unaligned variant, so a misaligned tensor slows only itself. An aligned
@@ -71,11 +71,11 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_optim.kernels import layout as layouts
-from lowbit_optim.kernels import tables
-from lowbit_optim.kernels.tables import codec_kind, device_tables
-from lowbit_optim.quant import codecs
-from lowbit_optim.quant.formats import QuantFormat
+from lowbit_optim.formats import codecs
+from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.step.kernels import layout as layouts
+from lowbit_optim.step.kernels import tables
+from lowbit_optim.step.kernels.tables import codec_kind, device_tables
 
 # Elements per program: 2048 with 4 warps is 16 elements per thread (four 16-byte loads of
 # float32), which keeps the ~10 live float32 values per element in registers.
@@ -96,7 +96,7 @@ _E4M3FN_SMALLEST_NORMAL_BITS = tl.constexpr(codecs.E4M3FN_SMALLEST_NORMAL_BITS)
 _E4M3FN_SUBNORMAL_SHIFT = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT)
 _E4M3FN_SUBNORMAL_SHIFT_BITS = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT_BITS)
 _E4M3FN_BIAS_CHANGE = tl.constexpr(codecs.E4M3FN_BIAS_CHANGE)
-# The layout table's columns (lowbit_optim.kernels.layout).
+# The layout table's columns (lowbit_optim.step.kernels.layout).
 _PARAM = tl.constexpr(layouts.PARAM)
 _GRAD = tl.constexpr(layouts.GRAD)
 _EXP_AVG_CODES = tl.constexpr(layouts.EXP_AVG_CODES)
@@ -296,7 +296,7 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
             rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
             rounded = tl.where(values == values, rounded, bits | 0x400000)  # NaN stays (quiet) NaN
             if STOCHASTIC_ROUND:
-                # functional.round_to_bfloat16_stochastic: 16 random bits below the mantissa.
+                # math.round_to_bfloat16_stochastic: 16 random bits below the mantissa.
                 rounded = tl.where(_is_finite(values), (bits + noise) & -65536, rounded)
             values = rounded.to(tl.float32, bitcast=True)
     return values.to(DTYPE)
@@ -307,7 +307,7 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, m
                  step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
                  inv_bias_correction2_sqrt, eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                  L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``functional.adamw_update`` on one half-tile; stores the parameter, returns the moments.
+    """``math.adamw_update`` on one half-tile; stores the parameter, returns the moments.
     ``L2_DECAY`` (torch.optim.Adam): ``decay`` is the weight decay, added to the gradient as
     ``decay * param``, and the parameter is not scaled. One scalar serves both meanings: a
     separate one cost the 8-bit float32 variant two spills under the register cap (sm_90)."""
@@ -474,7 +474,7 @@ def check_launch_lists(params: list[torch.Tensor], grads: list[torch.Tensor], bl
     if device.type == "cpu" and not is_interpreted():
         raise RuntimeError(
             "the Triton kernel runs on CPU tensors only under the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before lowbit_optim.kernels is imported, or use a CUDA device"
+            "TRITON_INTERPRET=1 before lowbit_optim.step.kernels is imported, or use a CUDA device"
         )
     for name, tensors in (("params", params), ("grads", grads)):
         if any(t.device != device or t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors):
