@@ -5,6 +5,8 @@ import os
 import sys
 import tempfile
 
+from torch.profiler import ProfilerActivity, profile
+
 # Kineto, the profiler's C++ backend, writes a "USDT:<time> <pid>:<tid>
 # SyncActivityProfilerHandler.cpp:52] profiler_start" line (and one for profiler_stop) to
 # stderr at every start and stop, which landed between the progress bar and the table. They
@@ -38,8 +40,6 @@ def without_kineto_markers():
 @contextlib.contextmanager
 def quiet_profile(**options):
     """``torch.profiler.profile(**options)`` without kineto's start and stop markers."""
-    from torch.profiler import profile
-
     prof = profile(**options)
     with without_kineto_markers():
         prof.__enter__()
@@ -54,8 +54,6 @@ def allocation_peak_bytes(fn) -> int:
     """The highest point, above what was live before, of the CPU allocations made while
     ``fn()`` runs: the transient memory of a step (the tensors it frees again included),
     recorded by the profiler's allocator hooks."""
-    from torch.profiler import ProfilerActivity
-
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
