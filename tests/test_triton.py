@@ -85,7 +85,7 @@ def interpreter(monkeypatch):
 
 
 def hyper_tensors(lr, betas, weight_decay, step, eps=1e-8):
-    """The 0-d CPU tensors the optimizer passes (hyperparams.GroupScalars' dtypes)."""
+    """The 0-d CPU tensors the optimizer passes (step.hyperparams.GroupScalars' dtypes)."""
     double = torch.float64
     return (torch.tensor(lr, dtype=torch.float32), torch.tensor(betas[0], dtype=double),
             torch.tensor(betas[1], dtype=double), torch.tensor(eps, dtype=double),
