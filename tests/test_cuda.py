@@ -2,7 +2,7 @@
 
 Every test here is marked ``cuda`` (skipped without a GPU; ``benchmarks/gpu_check.sh`` runs
 them). They compare the compiled kernel with ``quantized_adamw_step`` run eagerly **on the
-CPU**, with the bounds the kernel documents (``tests/test_triton.py``'s helpers: scales
+CPU**, with the bounds the kernel documents (``tests/kernel_helpers.py``: scales
 identical, codes one map step at most and only next to a bin edge, parameters within one ulp
 plus 2**-20 of the update), and check what only a GPU shows: groups past 2**31 elements,
 misaligned views, fp16, amsgrad, bfloat16 stochastic rounding, and a training loop's layout
@@ -11,7 +11,7 @@ rebuilds, host-to-device copies and synchronisations.
 
 import pytest
 import torch
-from test_triton import (
+from kernel_helpers import (
     KINDS,
     SCHEDULE,
     assert_params_close,

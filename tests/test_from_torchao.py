@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from test_checkpoint import assert_same_state
+from helpers import assert_same_state
 
 from lowbit_optim import Adam4bit, Adam8bit, AdamFp8, AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
 from lowbit_optim.checkpoint.load import foreign_float_values

@@ -6,8 +6,8 @@ The expected continuation is computed here, on the machine running the test, fro
 values put into an optimizer without ``load_state_dict``: nothing machine-dependent is stored.
 """
 
+import importlib.util
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -15,8 +15,18 @@ import torch
 from lowbit_optim import FactoredState, QuantizedState
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
-sys.path.insert(0, str(FIXTURES))
-import make_checkpoints  # noqa: E402  (the fixtures' own recipe: model, optimizer, gradients)
+
+
+def _recipe():
+    """The fixtures' own recipe (model, optimizer, gradients), read from the script that wrote
+    them."""
+    spec = importlib.util.spec_from_file_location("make_checkpoints", FIXTURES / "make_checkpoints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_checkpoints = _recipe()
 
 RESUMED_STEPS = 3
 

@@ -17,7 +17,6 @@ import copy
 
 import pytest
 import torch
-from test_triton import LaunchCounter, interpreter  # noqa: F401  (the fixture)
 
 from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
 from lowbit_optim.step.kernels import adamw_lowbit

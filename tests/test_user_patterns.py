@@ -12,7 +12,7 @@ import pickle
 
 import pytest
 import torch
-from test_schedules import SCHEDULES
+from helpers import SCHEDULES
 from torch._dynamo.utils import counters
 from torch.optim import lr_scheduler
 
