@@ -425,7 +425,7 @@ def _store_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
 
 def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
     """``state_dict`` with each moment saved in an older format that this optimizer's format
-    reads as its own (``QuantFormat.reads_codes_of``: the 8-bit second moment before issue 16)
+    reads as its own (``QuantFormat.reads_codes_of``: the 8-bit second moment before it became zero-free)
     relabelled, codes and scales untouched: its codes mean the same values except code 0,
     which now decodes to half the map's smallest value instead of 0."""
     def convert(slot, key, value):

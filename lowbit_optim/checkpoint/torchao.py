@@ -1,4 +1,4 @@
-"""Reading a torchao low-bit optimizer checkpoint file without torchao installed (issue 15).
+"""Reading a torchao low-bit optimizer checkpoint file without torchao installed.
 
 A file written by ``torch.save(opt.state_dict(), path)`` for torchao's ``AdamW8bit``,
 ``AdamW4bit``, ``AdamWFp8``, ``Adam8bit``, ``Adam4bit`` or ``AdamFp8`` names torchao's state

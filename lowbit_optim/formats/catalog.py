@@ -69,7 +69,7 @@ class QuantFormat:
 
         Each slice is normalised, encoded and packed on its own, never concatenated, so that
         Inductor computes both nibbles of a byte in one loop without materialising the
-        block (shared FINDINGS: a ``stack`` of the halves cost an int32 buffer per moment).
+        block (measured: a ``stack`` of the halves made Inductor keep an int32 buffer per moment).
         """
         parts = [part.float() for part in parts]
         scales = None
@@ -127,7 +127,8 @@ class QuantFormat:
 
 DYNAMIC_8BIT_SIGNED = QuantFormat("dynamic8-signed", 8, codecs.SIGNED_8BIT_CODEC, 256)
 DYNAMIC_8BIT_UNSIGNED = QuantFormat("dynamic8-unsigned", 8, codecs.UNSIGNED_8BIT_CODEC, 256)
-# The 8-bit second moment since issue 16: the same map with no zero code (codecs.ZeroFreeCodec).
+# The 8-bit second moment: the same map with no zero code (codecs.ZeroFreeCodec); checkpoints
+# saved in the map with a zero code are read as this one (``reads_codes_of``).
 DYNAMIC_8BIT_UNSIGNED_NONZERO = QuantFormat(
     "dynamic8-unsigned-nonzero", 8, codecs.UNSIGNED_8BIT_NONZERO_CODEC, 256,
     reads_codes_of=(DYNAMIC_8BIT_UNSIGNED.name,),
@@ -137,7 +138,8 @@ LINEAR_4BIT_NONZERO = QuantFormat("linear4-nonzero", 4, codecs.LINEAR_4BIT_CODEC
 # torchao's AdamWFp8 layout (e4m3fn codes, blocks of 256: ~2.03 bytes/param for both moments).
 FLOAT8 = QuantFormat("float8-e4m3", 8, codecs.FLOAT8_CODEC, 256)
 # Its second moment with no zero code: e4m3fn's smallest positive value is 4.4e-6 of the
-# block's largest, so the zero-point hazard of issue 16 is wider than for the 8-bit map.
+# block's largest, so the zero-point hazard (codecs.ZeroFreeCodec) is wider than for the
+# 8-bit map.
 FLOAT8_NONZERO = QuantFormat(
     "float8-e4m3-nonzero", 8, codecs.FLOAT8_NONZERO_CODEC, 256, reads_codes_of=(FLOAT8.name,),
 )

@@ -1,8 +1,8 @@
 """Encoders and decoders between normalised values in [-1, 1] and codes (indices into a map).
 
 They are written so that Inductor turns them into vectorised loops: torchao's 8-step
-binary search with a gather per step compiles to scalar code on CPU (shared FINDINGS: its
-4-bit step takes ~570 ms for 10.5M parameters). Here
+binary search with a gather per step compiles to scalar code on CPU (measured: its 4-bit
+step took ~570 ms for 10.5M parameters; docs/design.md, "Encoding speed"). Here
 
 * a 16-entry map encodes by a chain of 15 selects on comparisons with its midpoints (the
   last midpoint a value exceeds wins, as the midpoints ascend) and decodes with a chain of
@@ -20,7 +20,7 @@ binary search with a gather per step compiles to scalar code on CPU (shared FIND
   ``1 - step * (count - i)``, each rounded once, formed in float64) match all 256 entries,
   but compiled 2x slower than the gather (float64 vectors, and Inductor recomputes the
   decode in every pass), so the gather stays;
-* float8 e4m3fn codes (``Float8Codec``, issue 15) are the bits of ``448 x`` formed by integer
+* float8 e4m3fn codes (``Float8Codec``) are the bits of ``448 x`` formed by integer
   arithmetic, equal to torch's cast (checked once on every float32 in [-448, 448]); they
   decode with the same single gather.
 
@@ -235,8 +235,8 @@ class Float8Codec:
 
 class ZeroFreeCodec:
     """A codec whose code 0 stands for 0 and code 1 for its smallest positive value, with
-    every code that decoded to 0 standing for half that value instead (issue 16, the
-    zero-point hazard); for a second moment, which is never negative.
+    every code that decoded to 0 standing for half that value instead (the zero-point
+    hazard, below and docs/design.md); for a second moment, which is never negative.
 
     With an exact zero, a second-moment element far below its block's largest (a gradient
     under ~1.3e-4 of the block's largest, for the 8-bit dynamic map; under ~1.5e-3 for

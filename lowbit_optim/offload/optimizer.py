@@ -1,5 +1,5 @@
 """``CPUOffloadOptimizer``: the model trains on the device; the optimizer state and the step
-live on the host, in our low-bit formats (issue 18).
+live on the host, in our low-bit formats (docs/offload.md).
 
 torchao's signature (``CPUOffloadOptimizer(params, optimizer_class, *, offload_gradients,
 **kwargs)``), so its users change one import. What overlaps with what:

@@ -17,7 +17,7 @@ from lowbit_optim.state.sharding import check_rows_sharded
 
 class AdamW8bit(LowBitAdamW):
     """AdamW with 8-bit moments: bitsandbytes' dynamic-tree maps, blocks of 256 (~2 bytes/param);
-    the second moment's map has no zero code (``codecs.ZeroFreeCodec``, issue 16).
+    the second moment's map has no zero code (``codecs.ZeroFreeCodec``, docs/design.md).
 
     Drop-in for ``torch.optim.AdamW``:
     ``AdamW8bit(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -41,7 +41,7 @@ class AdamW4bit(LowBitAdamW):
 class AdamWFp8(LowBitAdamW):
     """AdamW with float8 e4m3fn moments, one float32 scale per block of 256 (torchao's
     ``AdamWFp8`` layout, ~2.03 bytes/param); the second moment's code 0 stands for half the
-    smallest positive value instead of 0 (``codecs.ZeroFreeCodec``, issue 16). Same
+    smallest positive value instead of 0 (``codecs.ZeroFreeCodec``, docs/design.md). Same
     arguments as ``AdamW8bit``."""
 
     exp_avg_format = FLOAT8

@@ -206,7 +206,7 @@ class LowBitAdamW(Optimizer):
     def _refuse_graph_capture(self) -> None:
         """A CUDA graph would replay this step with the LR, bias corrections and rounding
         noise of the step it captured: they are read on the host (from 0-d CPU tensors) at
-        launch. Refused rather than replayed silently wrong (issue 17)."""
+        launch. Refused rather than replayed silently wrong."""
         if capturing_cuda_graph():
             raise RuntimeError(
                 f"{type(self).__name__}.step() cannot be captured in a CUDA graph: it reads the "

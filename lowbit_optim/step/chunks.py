@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 # The most elements one call of the compiled (or eager) step updates. Its generated code keeps
-# buffers of its input's size between passes (~23 bytes per element for 4-bit before issue 14;
-# shared FINDINGS), so a 50M-element embedding stepped whole allocated ~1.2 GB of temporaries,
+# buffers of its input's size between passes (measured: ~23 bytes per element for the 4-bit
+# step as first written), so a 50M-element embedding stepped whole allocated ~1.2 GB of temporaries,
 # 3x fp32 AdamW's entire state. In chunks of 2**20 elements the temporaries stay at a few
 # dozen MiB whatever the parameter's size; one chunk is still large enough that the per-call
 # overhead (~0.1 ms) is negligible (docs/benchmarks.md, "Transient memory of one step").

@@ -1,4 +1,5 @@
-"""The AdamW math, written once in float32, and the per-parameter steps built on it.
+"""The AdamW math, written once in float32 (float64 for float64 parameters): the pieces
+every step implementation is built from.
 
 ``adamw_update`` is the specification: the compiled step, the eager step and the Triton
 kernels compute exactly this, and tests use it as the oracle. It follows
@@ -7,10 +8,11 @@ the square root) with one deliberate difference, the non-finite gradient policy:
 whose gradient is NaN or ±inf keeps its parameter value and its moments for that step, so a
 bad element never spreads to its quantization block, its tensor or other parameters.
 
-Hyperparameters arrive as 0-d CPU tensors (``lr``, ``step`` float32; betas, eps and weight
-decay float64 so the bias corrections match torch's float64 arithmetic): a compiled graph
-reads them as inputs, so new values never recompile, and a CPU scalar reaches a device
-kernel as an argument, so no per-step host-to-device copy happens.
+Hyperparameters arrive as 0-d CPU tensors: ``lr``, betas, eps and weight decay float64
+(``hyperparams.HYPER_DTYPE``: the bias corrections and the LR then match torch's float64
+arithmetic), the step count float32. A compiled graph reads them as inputs, so new values
+never recompile it, and a CPU scalar reaches a device kernel as an argument, so no per-step
+host-to-device copy happens.
 """
 
 from typing import NamedTuple

@@ -36,7 +36,7 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
                          exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat,
                          maximize: bool, stochastic_round: bool,
                          decoupled_weight_decay: bool = True):
-    """``single_param_adam`` on blocks: dequantize -> ``adamw_update`` -> requantize, in place.
+    """``math.adamw_update`` on blocks: dequantize -> update -> requantize, in place.
 
     ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; the moments are the stored
     tensors of their ``QuantizedState`` (the same rows), ``max_exp_avg_sq`` ``None`` unless

@@ -1,4 +1,5 @@
-"""One kind's launches, worked out once and reused at every step (issue 17, item 3: host cost).
+"""One kind's launches, worked out once and reused at every step (host cost:
+docs/benchmarks.md, "Host cost of the Triton path").
 
 ``adamw_lowbit.launch`` works out on every call how its parameters split into an aligned and
 an unaligned launch, where each of their tensors is, and the layout table. Between two steps
