@@ -17,7 +17,8 @@ values, ``code = nearest(x * (1 / scale))``. The oracle is
 ``m', v', v_max'`` and the block scales are computed operation for operation as there
 (multiply-add contraction is off: ``enable_fp_fusion=False``), so scales match bit for bit.
 Three places trade IEEE-exact forms for cheap ones (the IEEE forms cost ~45 SASS
-instructions per element, measured with benchmarks/kernel_stats.py), with these bounds (``RN`` is float32 round-to-nearest):
+instructions per element, measured with benchmarks/kernel_stats.py), with these bounds
+(``RN`` is float32 round-to-nearest):
 
 * Normalisation: one reciprocal per block, ``r = 1 / scale`` (``div.full.f32``: <= 2 ulp on
   the GPU, correctly rounded under ``TRITON_INTERPRET=1``), then ``x = v * r`` (a block whose
