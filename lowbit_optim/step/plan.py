@@ -1,15 +1,15 @@
 """What one param group's step reuses between steps, and the checks that say it still may.
 
-A step used to redo per parameter, every time: find its state, build its entry, sort it
-into a kind, check and read the addresses of its eight tensors, key a layout cache, ~13-25 us
-per parameter of Python (docs/benchmarks.md, "Host cost of the Triton path"). Nearly all
-of it depends on things that stay the same from one step to the next: which parameters the
-group holds, which of them have a
-gradient, their states, their data pointers, dtypes and shapes, the step counts kept equal
-within a kind. ``GroupPlan`` keeps what was worked out (``dispatch.AdamWPlan`` and, for the
-Triton backend, each kind's launches and layouts) together with exactly those facts, and
-``gradients`` compares them with the group as it is now using C-level map/compare over lists
-(no Python loop per parameter), so a stale plan is never used:
+A step used to redo per parameter, every time: find its state, build its entry, sort it into a
+kind, check and read the addresses of its eight tensors, key a layout cache, ~13-25 us per
+parameter of Python (docs/benchmarks.md, "Host cost of the Triton path"). Nearly all of it
+depends on things that stay the same from one step to the next: which parameters the group
+holds, which of them have a gradient, their states, their data pointers, dtypes and shapes,
+the step counts kept equal within a kind. ``GroupPlan`` keeps what was worked out
+(``dispatch.AdamWPlan`` and, for the Triton backend, each kind's launches and layouts)
+together with exactly those facts, and ``gradients`` compares them with the group as it is now
+using C-level map/compare over lists (no Python loop per parameter), so a stale plan is never
+used:
 
 * the group's parameter list, by identity; the optimizer's ``state`` mapping, by identity
   (``load_state_dict`` replaces it), each parameter's state dict and every value in it, by
