@@ -27,6 +27,14 @@ import torch
 CHUNK_ELEMENTS = 1 << 20
 
 
+class PlannedStep(NamedTuple):
+    """A parameter's ``ParamStep`` as a plan keeps it: without its gradient, which each step
+    brings at ``index`` of the step's gradient list."""
+
+    index: int
+    entry: "ParamStep"
+
+
 class ParamStep(NamedTuple):
     """One parameter's share of a step: the tensors it updates and its step count."""
 

@@ -11,7 +11,7 @@ import torch
 
 from lowbit_optim.state.factored import FactoredState
 from lowbit_optim.state.quantized import QuantizedState
-from lowbit_optim.step.chunks import ParamStep, TailScratch
+from lowbit_optim.step.chunks import ParamStep, PlannedStep, TailScratch
 from lowbit_optim.step.factored import FactoredParams
 from lowbit_optim.step.float_state import FloatStateStep
 from lowbit_optim.step.math import StepScalars
@@ -91,7 +91,7 @@ class AdamWPlan:
         self.backend = backend
         params = params or [entry.param for entry in entries]
         triton_entries, float_state, factored = [], {}, []
-        self.quantized: list[tuple[int, ParamStep]] = []  # stepped one by one
+        self.quantized: list[PlannedStep] = []  # stepped one by one
         for index, entry in enumerate(entries):
             if not isinstance(entry.exp_avg, QuantizedState):
                 # Small ones share one flat step per (device, dtype, step count, amsgrad); a big
@@ -107,7 +107,7 @@ class AdamWPlan:
             elif backend == "triton" and entry.param.dtype != torch.float64:
                 triton_entries.append(index)
             else:
-                self.quantized.append((index, entry._replace(grad=None)))
+                self.quantized.append(PlannedStep(index, entry._replace(grad=None)))
         self.float_state = []
         for indices in float_state.values():
             group = [entries[i] for i in indices]
@@ -116,7 +116,7 @@ class AdamWPlan:
                 [e.param for e in group], [e.exp_avg for e in group], [e.exp_avg_sq for e in group],
                 [e.max_exp_avg_sq for e in group] if amsgrad else None)))
         # The Triton kernel has no factored variant: these go through the compiled step.
-        self.factored = FactoredParams([(i, entries[i]._replace(grad=None)) for i in factored],
+        self.factored = FactoredParams([PlannedStep(i, entries[i]._replace(grad=None)) for i in factored],
                                        [params[i] for i in factored]) if factored else None
         self.triton_indices = triton_entries
         self.triton = None

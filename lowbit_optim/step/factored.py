@@ -25,6 +25,7 @@ tensors), so one compiled graph serves every shape and schedule.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch._dynamo
@@ -75,15 +76,42 @@ def second_moment_means(param_rows, grad_rows, beta2, weight_decay, columns, all
     return (term / columns).sum(dim=1).to(torch.float32), (term / all_rows).sum(dim=0).to(torch.float32)
 
 
-def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized,
-                        first_element, columns, lr, beta1, eps, weight_decay, bias_correction1,
-                        bias_correction2_sqrt, max_ratio, *, exp_avg_format: QuantFormat,
+class FactoredBlocks(NamedTuple):
+    """The tensors ``factored_adamw_step`` reads and writes: one chunk of a parameter's whole
+    blocks and its first moment's rows, and the parameter's statistics. The compiled step
+    treats the first dimension of each as dynamic, so one graph serves every size."""
+
+    param: torch.Tensor  # (n, block_size), updated in place
+    grad: torch.Tensor  # (n, block_size)
+    exp_avg_codes: torch.Tensor  # the chunk's rows of the first moment, updated in place
+    exp_avg_scales: torch.Tensor
+    row: torch.Tensor  # this step's row statistics
+    col_normalized: torch.Tensor  # col / mean(col)
+
+
+class FactoredScalars(NamedTuple):
+    """The 0-d tensors ``factored_adamw_step`` reads (inputs of the compiled graph, so new
+    values never recompile it)."""
+
+    first_element: torch.Tensor  # int64: the chunk's first element in the flat parameter
+    columns: torch.Tensor  # int64: the length of the last dimension
+    lr: torch.Tensor
+    beta1: torch.Tensor
+    eps: torch.Tensor
+    weight_decay: torch.Tensor
+    bias_correction1: torch.Tensor
+    bias_correction2_sqrt: torch.Tensor
+    max_ratio: torch.Tensor  # adam_ratio_bound at this step
+
+
+def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp_avg_format: QuantFormat,
                         maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool):
     """Whole blocks ``(n, block_size)`` of a parameter starting at flat element
-    ``first_element`` (0-d int64), in place: the first moment's codes and scales and the
-    parameter. ``row`` and ``col_normalized`` (``col / mean(col)``) are this step's
-    statistics; ``columns`` (0-d int64) the length of the last dimension. Elements past the
-    parameter's end (a padded last block) read the last row's statistics."""
+    ``scalars.first_element``, in place: the first moment's codes and scales and the
+    parameter. Elements past the parameter's end (a padded last block) read the last row's
+    statistics."""
+    param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized = blocks
+    first_element, columns, lr, beta1, eps, weight_decay = scalars[:6]
     dtype = compute_dtype(param)
     blocks, block_size = param.shape
     exp_avg_parts = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
@@ -91,7 +119,7 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
     grad_parts = exp_avg_format.split(grad)
     part_width = block_size // len(param_parts)
     block_starts = first_element + torch.arange(blocks, device=param.device)[:, None] * block_size
-    corrections = (bias_correction1, bias_correction2_sqrt)
+    corrections = (scalars.bias_correction1, scalars.bias_correction2_sqrt)
 
     new_params, new_exp_avgs = [], []
     for index, param_part in enumerate(param_parts):
@@ -106,7 +134,8 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
         new_exp_avg = first_moment_update(exp_avg, safe_grad, beta1)
         new_param = parameter_update(old_param, new_exp_avg, second_moment.to(dtype), lr=lr, eps=eps,
                                      weight_decay=weight_decay, corrections=corrections,
-                                     decoupled_weight_decay=decoupled_weight_decay, max_ratio=max_ratio)
+                                     decoupled_weight_decay=decoupled_weight_decay,
+                                     max_ratio=scalars.max_ratio)
         new_params.append(torch.where(finite, new_param, old_param))
         new_exp_avgs.append(torch.where(finite, new_exp_avg, exp_avg))
 
@@ -117,15 +146,22 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
         write_param(param_part, new_param, stochastic_round=stochastic_round)
 
 
+class FactoredFunctions(NamedTuple):
+    """The factored step's two passes, compiled for one first-moment format."""
+
+    statistics: object  # second_moment_means
+    update: object  # factored_adamw_step
+
+
 @functools.cache
-def compiled_functions(exp_avg_format: QuantFormat):
-    """``(second_moment_means, factored_adamw_step)`` compiled, once per process and format."""
+def compiled_functions(exp_avg_format: QuantFormat) -> FactoredFunctions:
+    """Both passes compiled, once per process and format."""
     suffix = exp_avg_format.name.replace("-", "_")
-    return (
-        torch.compile(with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"),
-                      dynamic=False),
-        torch.compile(with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"),
-                      dynamic=False),
+    return FactoredFunctions(
+        statistics=torch.compile(
+            with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"), dynamic=False),
+        update=torch.compile(
+            with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"), dynamic=False),
     )
 
 
@@ -138,15 +174,15 @@ def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
     return total
 
 
-def _call(function, compiled: bool, dynamic_dims: dict, *args, **kwargs):
-    """``function(*args, **kwargs)``; compiled, with the sizes in ``dynamic_dims`` (argument
-    position -> dims) marked dynamic so that one graph serves every shape (size-oblivious
-    reasoning: see ``quantized._call``)."""
+def _call(function, compiled: bool, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], *args, **kwargs):
+    """``function(*args, **kwargs)``; compiled, with the sizes in ``dynamic`` (tensor, its
+    dims) marked dynamic so that one graph serves every shape (size-oblivious reasoning: see
+    ``quantized._call``)."""
     if not compiled:
         return function(*args, **kwargs)
-    for position, dims in dynamic_dims.items():
+    for tensor, dims in dynamic:
         for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(args[position], dim)
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
     with fx_config.patch(backed_size_oblivious=True):
         return function(*args, **kwargs)
 
@@ -174,7 +210,7 @@ class FactoredParams:
         self.column_means: list[torch.Tensor | None] = [None] * len(entries)
         self.reductions = []  # (flat column means, process groups) for sharded parameters
         for (groups, device), positions in buckets.items():
-            lengths = [entries[p][1].exp_avg_sq.col.numel() for p in positions]
+            lengths = [entries[p].entry.exp_avg_sq.col.numel() for p in positions]
             flat = torch.zeros(sum(lengths), device=device)
             for position, view in zip(positions, flat.split(lengths)):
                 self.column_means[position] = view
@@ -187,9 +223,9 @@ class FactoredParams:
         whose ``step`` is ignored: each entry has its own)."""
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         for position, (index, entry) in enumerate(self.entries):
-            self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper.beta2,
-                                        hyper.weight_decay, self.column_means[position],
-                                        self.all_rows[position], scratch, flags)
+            self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper,
+                                        self.column_means[position], self.all_rows[position], scratch,
+                                        flags=flags)
         for flat, groups in self.reductions:
             sharding.sum_across_shards(flat, groups)
         # The bias corrections and Adam's bound depend on the step count only, which the
@@ -209,14 +245,15 @@ class FactoredParams:
                          stochastic_round=stochastic_round, flags=flags)
 
     @staticmethod
-    def _accumulate_statistics(backend, entry, beta2, weight_decay, column_means, all_rows: int,
-                               scratch, flags) -> None:
+    def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,
+                               flags) -> None:
         """Pass 1: this step's row statistics (in place), and this shard's share of the
         column means of ``(1 - beta2) * g**2`` (over ``all_rows`` rows) into
         ``column_means``, a bounded chunk of rows at a time."""
 
         compiled = backend == "compile"
-        statistics_step = compiled_functions(entry.exp_avg.format)[0] if compiled else second_moment_means
+        statistics_step = (compiled_functions(entry.exp_avg.format).statistics if compiled
+                           else second_moment_means)
         factored = entry.exp_avg_sq
         rows, columns = factored.row.numel(), factored.col.numel()
         param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
@@ -228,10 +265,12 @@ class FactoredParams:
         chunk_rows = max(1, chunks.CHUNK_ELEMENTS // columns)
         for first in range(0, rows, chunk_rows):
             chunk = slice(first, min(first + chunk_rows, rows))
-            row_means, column_shares = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
-                                             param_matrix[chunk], grad_matrix[chunk], beta2, weight_decay,
-                                             columns_scalar, all_rows_scalar, **flags)
-            factored.row[chunk].mul_(beta2).add_(row_means)
+            param_rows, grad_rows = param_matrix[chunk], grad_matrix[chunk]
+            dynamic = [(param_rows, (0, 1)), (grad_rows, (0, 1))]
+            row_means, column_shares = _call(statistics_step, compiled, dynamic, param_rows, grad_rows,
+                                             hyper.beta2, hyper.weight_decay, columns_scalar,
+                                             all_rows_scalar, **flags)
+            factored.row[chunk].mul_(hyper.beta2).add_(row_means)
             column_means.add_(column_shares)
 
     @staticmethod
@@ -242,18 +281,19 @@ class FactoredParams:
 
         param, grad, exp_avg, factored, _, _ = entry
         compiled = backend == "compile"
-        update_step = compiled_functions(exp_avg.format)[1] if compiled else factored_adamw_step
-        scalars = (hyper.lr, hyper.beta1, hyper.eps, hyper.weight_decay, *step_scalars)
+        update_step = compiled_functions(exp_avg.format).update if compiled else factored_adamw_step
         # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
         # no tensor is made per step, and no size becomes a guarded constant.
         columns_scalar = scratch.index_scalar("columns").fill_(factored.col.numel())
         first_element_scalar = scratch.index_scalar("first_element")
         options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
-        dynamic = {index: (0,) for index in range(6)}
+        scalars = FactoredScalars(first_element_scalar, columns_scalar, hyper.lr, hyper.beta1, hyper.eps,
+                                  hyper.weight_decay, *step_scalars)
 
         def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
-            _call(update_step, compiled, dynamic, param_blocks, grad_blocks, exp_avg.codes[block_rows],
-                  exp_avg.scales[block_rows], factored.row, col_normalized,
-                  first_element_scalar.fill_(first_element), columns_scalar, *scalars, **options)
+            first_element_scalar.fill_(first_element)
+            blocks = FactoredBlocks(param_blocks, grad_blocks, exp_avg.codes[block_rows],
+                                    exp_avg.scales[block_rows], factored.row, col_normalized)
+            _call(update_step, compiled, [(tensor, (0,)) for tensor in blocks], blocks, scalars, **options)
 
         for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
