@@ -178,6 +178,10 @@ E4M3FN_SMALLEST_NORMAL_BITS = 0x3C800000  # float32 bits of 2**-6
 # 2**14: float32's ulp there is 2**-9, e4m3fn's subnormal step.
 E4M3FN_SUBNORMAL_SHIFT, E4M3FN_SUBNORMAL_SHIFT_BITS = 16384.0, 0x46800000
 E4M3FN_BIAS_CHANGE = (127 - 7) << 3  # float32's exponent bias minus e4m3fn's, in code units
+# e4m3fn keeps 3 of float32's 23 mantissa bits: the low 20 are dropped when encoding.
+E4M3FN_DROPPED_BITS = 23 - 3
+# Added with the lowest kept bit before the shift, it rounds the dropped bits to nearest even.
+E4M3FN_ROUND_HALF = (1 << (E4M3FN_DROPPED_BITS - 1)) - 1
 
 
 def e4m3fn_bits(values: torch.Tensor) -> torch.Tensor:
@@ -187,7 +191,8 @@ def e4m3fn_bits(values: torch.Tensor) -> torch.Tensor:
     bits = values.view(torch.int32)
     magnitude = bits & 0x7FFFFFFF
     sign = (bits >> 24) & 0x80
-    normal = ((magnitude + (0x7FFFF + ((magnitude >> 20) & 1))) >> 20) - E4M3FN_BIAS_CHANGE
+    kept_lowest = (magnitude >> E4M3FN_DROPPED_BITS) & 1
+    normal = ((magnitude + (E4M3FN_ROUND_HALF + kept_lowest)) >> E4M3FN_DROPPED_BITS) - E4M3FN_BIAS_CHANGE
     subnormal = (values.abs() + E4M3FN_SUBNORMAL_SHIFT).view(torch.int32) - E4M3FN_SUBNORMAL_SHIFT_BITS
     code = torch.where(magnitude < E4M3FN_SMALLEST_NORMAL_BITS, subnormal, normal) | sign
     return code.to(torch.uint8)

@@ -16,7 +16,7 @@ from lowbit_optim.checkpoint import load as checkpoint
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state import sharding
 from lowbit_optim.state.quantized import MOMENT_KEYS
-from lowbit_optim.step.chunks import TailScratch
+from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
 from lowbit_optim.step.hyperparams import GroupScalars, check_hyperparameters
 from lowbit_optim.step.math import compute_dtype
@@ -266,7 +266,7 @@ class LowBitAdamW(Optimizer):
                 grads, lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
                 eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
                 maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
-                scratch=self._tail_scratch, rounding_stream=(sharding.rank() << 16) | index,
+                scratch=self._tail_scratch, rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )
 

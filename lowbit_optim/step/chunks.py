@@ -26,6 +26,13 @@ import torch
 # overhead (~0.1 ms) is negligible (docs/benchmarks.md, "Transient memory of one step").
 CHUNK_ELEMENTS = 1 << 20
 
+# Stochastic rounding's noise streams (the Triton backend): an optimizer's param group has
+# stream ``rank << GROUP_STREAM_BITS | group index``, and each launch kind of the group
+# ``stream << KIND_STREAM_BITS | kind index``: distinct while a rank has fewer than 2**16
+# param groups and a group fewer than 2**10 kinds.
+GROUP_STREAM_BITS = 16
+KIND_STREAM_BITS = 10
+
 
 class PlannedStep(NamedTuple):
     """A parameter's ``ParamStep`` as a plan keeps it: without its gradient, which each step

@@ -81,10 +81,11 @@ class FloatStateStep:
              stochastic_round: bool, decoupled_weight_decay: bool = True) -> None:
         dtype = compute_dtype(self.params[0])
         grad = grads[0].reshape(-1) if self.grad_buffer is None else self.grad_buffer.gather(grads)
-        moments = [flat.gather(tensors) for flat, tensors in zip(self.moment_flats, self.moments)]
+        exp_avg, exp_avg_sq, *max_exp_avg_sq = [
+            flat.gather(tensors) for flat, tensors in zip(self.moment_flats, self.moments)]
         new_param, *new_moments = adamw_update(
-            self.param_flat.gather(self.params).to(dtype), grad.to(dtype), moments[0], moments[1],
-            moments[2] if len(moments) == 3 else None,
+            self.param_flat.gather(self.params).to(dtype), grad.to(dtype), exp_avg, exp_avg_sq,
+            max_exp_avg_sq[0] if max_exp_avg_sq else None,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
             maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
         )

@@ -146,6 +146,12 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     return new_param, new_exp_avg, new_exp_avg_sq, new_max
 
 
+# bfloat16 is the high 16 bits of a float32: rounding to it works on the 16 bits below them.
+BFLOAT16_DROPPED_BITS = 16
+# Clears the dropped bits (two's complement: 0xFFFF0000 as an int32).
+BFLOAT16_KEPT_MASK = -(1 << BFLOAT16_DROPPED_BITS)
+
+
 def round_to_bfloat16_stochastic(values: torch.Tensor) -> torch.Tensor:
     """float32 -> bfloat16, rounding up with probability equal to the dropped fraction.
 
@@ -154,8 +160,8 @@ def round_to_bfloat16_stochastic(values: torch.Tensor) -> torch.Tensor:
     bfloat16 ulp). Written with integer ops so it compiles and matches the Triton kernel.
     """
     bits = values.view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
-    truncated = (bits + noise) & -65536
+    noise = torch.randint_like(bits, 0, 1 << BFLOAT16_DROPPED_BITS)
+    truncated = (bits + noise) & BFLOAT16_KEPT_MASK
     rounded = truncated.view(torch.float32)
     # Rounding up can carry a finite value past the largest bfloat16 into inf; keep inf/NaN
     # inputs as they are and leave finite values finite.

@@ -50,12 +50,10 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
     # float64 parameters are updated in float64 (their moments are quantized all the same).
     dtype = compute_dtype(param)
     lr, beta1, beta2, eps, weight_decay, step = scalars
-    stored = [exp_avg, exp_avg_sq, max_exp_avg_sq]
-    exp_avg = exp_avg_format.decode_parts(*stored[0])
-    exp_avg_sq = exp_avg_sq_format.decode_parts(*stored[1])
-    max_exp_avg_sq = [None] * len(exp_avg)
-    if stored[2] is not None:
-        max_exp_avg_sq = exp_avg_sq_format.decode_parts(*stored[2])
+    amsgrad = max_exp_avg_sq is not None
+    exp_avg_parts = exp_avg_format.decode_parts(*exp_avg)
+    exp_avg_sq_parts = exp_avg_sq_format.decode_parts(*exp_avg_sq)
+    max_parts = exp_avg_sq_format.decode_parts(*max_exp_avg_sq) if amsgrad else None
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
 
@@ -69,9 +67,8 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
     new_params, new_exp_avgs, new_exp_avg_sqs, new_maxes = [], [], [], []
     for index, param_part in enumerate(param_parts):
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
-            param_part.to(dtype), grad_parts[index].to(dtype), exp_avg[index].to(dtype),
-            exp_avg_sq[index].to(dtype),
-            None if stored[2] is None else max_exp_avg_sq[index].to(dtype),
+            param_part.to(dtype), grad_parts[index].to(dtype), exp_avg_parts[index].to(dtype),
+            exp_avg_sq_parts[index].to(dtype), max_parts[index].to(dtype) if amsgrad else None,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
             maximize=maximize, corrections=corrections, decoupled_weight_decay=decoupled_weight_decay,
         )
@@ -80,9 +77,9 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
         new_exp_avg_sqs.append(new_exp_avg_sq)
         new_maxes.append(new_max)
 
-    updates = [(exp_avg_format, new_exp_avgs), (exp_avg_sq_format, new_exp_avg_sqs),
-               (exp_avg_sq_format, new_maxes)]
-    for target, (fmt, values) in zip(stored, updates):
+    updates = [(exp_avg, exp_avg_format, new_exp_avgs), (exp_avg_sq, exp_avg_sq_format, new_exp_avg_sqs),
+               (max_exp_avg_sq, exp_avg_sq_format, new_maxes)]
+    for target, fmt, values in updates:
         if target is not None:
             codes, scales = fmt.encode_parts(values)
             target.codes.copy_(codes)

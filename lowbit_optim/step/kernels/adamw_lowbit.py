@@ -74,6 +74,7 @@ import triton.language as tl
 
 from lowbit_optim.formats import codecs
 from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.step import math as math_spec
 from lowbit_optim.step.kernels import layout as layouts
 from lowbit_optim.step.kernels import tables
 from lowbit_optim.step.kernels.tables import codec_kind, device_tables
@@ -97,6 +98,15 @@ _E4M3FN_SMALLEST_NORMAL_BITS = tl.constexpr(codecs.E4M3FN_SMALLEST_NORMAL_BITS)
 _E4M3FN_SUBNORMAL_SHIFT = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT)
 _E4M3FN_SUBNORMAL_SHIFT_BITS = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT_BITS)
 _E4M3FN_BIAS_CHANGE = tl.constexpr(codecs.E4M3FN_BIAS_CHANGE)
+_E4M3FN_DROPPED_BITS = tl.constexpr(codecs.E4M3FN_DROPPED_BITS)
+_E4M3FN_ROUND_HALF = tl.constexpr(codecs.E4M3FN_ROUND_HALF)
+_BFLOAT16_DROPPED_BITS = tl.constexpr(math_spec.BFLOAT16_DROPPED_BITS)
+_BFLOAT16_KEPT_MASK = tl.constexpr(math_spec.BFLOAT16_KEPT_MASK)
+# Added with the lowest kept bit before truncating, it rounds to nearest even.
+_BFLOAT16_ROUND_HALF = tl.constexpr((1 << (math_spec.BFLOAT16_DROPPED_BITS - 1)) - 1)
+# One 32-bit hash gives two elements their noise: its low and its high 16 bits.
+_NOISE_MASK = tl.constexpr((1 << math_spec.BFLOAT16_DROPPED_BITS) - 1)
+_ALIGNMENT_ELEMENTS = tl.constexpr(layouts.ALIGNMENT_ELEMENTS)
 # The layout table's columns (lowbit_optim.step.kernels.layout).
 _PARAM = tl.constexpr(layouts.PARAM)
 _GRAD = tl.constexpr(layouts.GRAD)
@@ -207,7 +217,8 @@ def _e4m3fn_bits(values):
     bits = values.to(tl.int32, bitcast=True)
     magnitude = bits & 0x7FFFFFFF
     sign = (bits >> 24) & 0x80
-    normal = ((magnitude + (0x7FFFF + ((magnitude >> 20) & 1))) >> 20) - _E4M3FN_BIAS_CHANGE
+    kept_lowest = (magnitude >> _E4M3FN_DROPPED_BITS) & 1
+    normal = ((magnitude + (_E4M3FN_ROUND_HALF + kept_lowest)) >> _E4M3FN_DROPPED_BITS) - _E4M3FN_BIAS_CHANGE
     shifted = (tl.abs(values) + _E4M3FN_SUBNORMAL_SHIFT).to(tl.int32, bitcast=True)
     subnormal = shifted - _E4M3FN_SUBNORMAL_SHIFT_BITS
     return tl.where(magnitude < _E4M3FN_SMALLEST_NORMAL_BITS, subnormal, normal) | sign
@@ -294,11 +305,12 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
     if DTYPE == tl.bfloat16:
         if STOCHASTIC_ROUND or INTERPRETED:
             bits = values.to(tl.int32, bitcast=True)
-            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+            kept_lowest = (bits >> _BFLOAT16_DROPPED_BITS) & 1
+            rounded = (bits + (_BFLOAT16_ROUND_HALF + kept_lowest)) & _BFLOAT16_KEPT_MASK
             rounded = tl.where(values == values, rounded, bits | 0x400000)  # NaN stays (quiet) NaN
             if STOCHASTIC_ROUND:
                 # math.round_to_bfloat16_stochastic: 16 random bits below the mantissa.
-                rounded = tl.where(_is_finite(values), (bits + noise) & -65536, rounded)
+                rounded = tl.where(_is_finite(values), (bits + noise) & _BFLOAT16_KEPT_MASK, rounded)
             values = rounded.to(tl.float32, bitcast=True)
     return values.to(DTYPE)
 
@@ -352,7 +364,7 @@ def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr):
     if ALIGNED:
         # Every tensor of an aligned launch starts a multiple of 16 elements from its list's
         # base (checked on the host), so the loads below vectorise.
-        offset = tl.multiple_of(offset, 16)
+        offset = tl.multiple_of(offset, _ALIGNMENT_ELEMENTS)
     return offset
 
 
@@ -373,7 +385,7 @@ def _adamw_lowbit_kernel(
     layout_row = layout_ptr + param_index * LAYOUT_COLUMNS
     numel = tl.load(layout_row + _NUMEL)
     if ALIGNED:
-        numel = tl.multiple_of(numel, 16)  # the host sends only sizes that are multiples of 16
+        numel = tl.multiple_of(numel, _ALIGNMENT_ELEMENTS)  # the host sends only such sizes
     first_program = tl.load(layout_row + _FIRST_PROGRAM)
     # Offsets within one parameter's tensors fit in 32 bits (the host checks numel < 2**31);
     # the tensor bases from the layout stay 64-bit, as a group can exceed 2**31 elements.
@@ -390,8 +402,8 @@ def _adamw_lowbit_kernel(
         tile_start = pid.to(tl.int64) * (ROWS * BLOCK_SIZE)
         pair_index = tile_start + tl.arange(0, ROWS)[:, None] * BLOCK_SIZE + cols[None, :]
         noise = _random_bits32(seed, pair_index)
-        noise_low = (noise & 0xFFFF).to(tl.int32)
-        noise_high = (noise >> 16).to(tl.int32)
+        noise_low = (noise & _NOISE_MASK).to(tl.int32)
+        noise_high = (noise >> _BFLOAT16_DROPPED_BITS).to(tl.int32)
 
     param_ptr = param_base + _offset(layout_row, _PARAM, ALIGNED)
     grad_ptr = grad_base + _offset(layout_row, _GRAD, ALIGNED)

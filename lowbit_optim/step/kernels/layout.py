@@ -38,6 +38,8 @@ LAYOUT_COLUMNS = 10
 # Offsets that are multiples of 16 elements let the kernel promise aligned, vectorisable
 # loads; anything else (odd views) gets the unaligned kernel variant.
 ALIGNMENT_ELEMENTS = 16
+# Where every tensor of an aligned launch starts: 16 bytes, one vector load's width.
+ALIGNMENT_BYTES = 16
 CACHE_SIZE = 16
 
 
@@ -79,7 +81,7 @@ def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int
         body = whole_blocks * block_size
         odd_size = param.numel() % ALIGNMENT_ELEMENTS != 0
         if (odd_size and whole_blocks and body % ALIGNMENT_ELEMENTS == 0
-                and all(t.data_ptr() % 16 == 0 for t in tensors)):
+                and all(t.data_ptr() % ALIGNMENT_BYTES == 0 for t in tensors)):
             split = [(t.view(-1)[:body], t.view(-1)[body:]) if position < 2
                      else (t[:whole_blocks], t[whole_blocks:])
                      for position, t in enumerate(tensors)]
@@ -103,7 +105,7 @@ def split_aligned(tensor_lists: list[list[torch.Tensor]],
     address = addresses_of(tensor_lists) if address is None else address
     sizes = torch.tensor([tensors[0].element_size() for tensors in tensor_lists], dtype=torch.int64)
     numel = torch.tensor([t.numel() for t in tensor_lists[0]], dtype=torch.int64)
-    ok = (numel % ALIGNMENT_ELEMENTS == 0) & (address % 16 == 0).all(dim=0)
+    ok = (numel % ALIGNMENT_ELEMENTS == 0) & (address % ALIGNMENT_BYTES == 0).all(dim=0)
     if bool(ok.any()):
         base = address[:, int(ok.nonzero()[0])][:, None]
         ok &= ((address - base) % (sizes[:, None] * ALIGNMENT_ELEMENTS) == 0).all(dim=0)
@@ -151,7 +153,8 @@ def build_layout(address: torch.Tensor, element_sizes: list[int], numels: list[i
         raise ValueError("tensor addresses are not whole elements apart")
     offsets = delta // sizes
     numel = torch.tensor(numels, dtype=torch.int64)
-    aligned = (bool((address[:, 0] % 16 == 0).all()) and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
+    aligned = (bool((address[:, 0] % ALIGNMENT_BYTES == 0).all())
+               and bool((offsets % ALIGNMENT_ELEMENTS == 0).all())
                and bool((numel % ALIGNMENT_ELEMENTS == 0).all()))
     blocks = (numel + block_size - 1) // block_size
     programs = (blocks + rows - 1) // rows
@@ -174,7 +177,8 @@ def with_column(layout: Layout, column: int, address: torch.Tensor, element_size
     if bool((delta % element_size).any()):
         return None
     offsets = delta // element_size
-    if layout.aligned and not (int(address[0]) % 16 == 0 and not bool((offsets % ALIGNMENT_ELEMENTS).any())):
+    starts_aligned = int(address[0]) % ALIGNMENT_BYTES == 0
+    if layout.aligned and not (starts_aligned and not bool((offsets % ALIGNMENT_ELEMENTS).any())):
         return None
     table = layout.host_table.clone()
     table[:, column] = offsets

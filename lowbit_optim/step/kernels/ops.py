@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lowbit_optim.formats.catalog import get_format
-from lowbit_optim.step.chunks import ParamStep
+from lowbit_optim.step.chunks import KIND_STREAM_BITS, ParamStep
 from lowbit_optim.step.kernels import adamw_lowbit
 from lowbit_optim.step.kernels.plan import KindPlan
 
@@ -184,7 +184,7 @@ class StepGroupPlan:
                 # From torch's CPU generator when no stream is given, so torch.manual_seed
                 # makes runs repeatable.
                 seed = (int(torch.randint(2**31 - 1, ())) if rounding_stream is None
-                        else stochastic_round_seed(int(step), (rounding_stream << 10) | index))
+                        else stochastic_round_seed(int(step), (rounding_stream << KIND_STREAM_BITS) | index))
             else:
                 seed = 0
             for param, work in kind.copies:
@@ -243,7 +243,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
             return [s.codes for s in states], [s.scales for s in states]
 
         seed = None if rounding_stream is None else stochastic_round_seed(
-            int(float(kind.step)), (rounding_stream << 10) | index)
+            int(float(kind.step)), (rounding_stream << KIND_STREAM_BITS) | index)
         torch.ops.lowbit_optim.adamw_lowbit_step(
             kind.work, [e.grad.contiguous() for e in kind_entries], *inner([e.exp_avg for e in kind_entries]),
             *inner([e.exp_avg_sq for e in kind_entries]), *inner([e.max_exp_avg_sq for e in kind_entries]),
