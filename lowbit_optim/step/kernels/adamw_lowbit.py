@@ -316,14 +316,19 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
 
 
 @triton.jit
-def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                 step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-                 inv_bias_correction2_sqrt, eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
+def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """``math.adamw_update`` on one half-tile; stores the parameter, returns the moments.
+    ``half``: the half-tile's ``(index, mask, noise)``; ``moments``: its ``(exp_avg,
+    exp_avg_sq, max_exp_avg_sq)``; ``hyper``: the step's scalars, the same for both halves
+    (the kernel's ``step_size`` to ``eps``, in that order).
     ``L2_DECAY`` (torch.optim.Adam): ``decay`` is the weight decay, added to the gradient as
     ``decay * param``, and the parameter is not scaled. One scalar serves both meanings: a
     separate one cost the 8-bit float32 variant two spills under the register cap (sm_90)."""
+    index, mask, noise = half
+    exp_avg, exp_avg_sq, max_exp_avg_sq = moments
+    step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps = hyper
     grad = tl.load(grad_ptr + index, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         grad = -grad
@@ -429,14 +434,13 @@ def _adamw_lowbit_kernel(
         max_low, max_high = _load_moment(max_codes, max_scales, exp_avg_sq_table, rows, cols, row_mask,
                                          BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
 
-    m_low, v_low, max_low = _update_half(
-        param_ptr, grad_ptr, low_index, row_mask[:, None] & (low_index < numel32), noise_low,
-        m_low, v_low, max_low, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
-    m_high, v_high, max_high = _update_half(
-        param_ptr, grad_ptr, high_index, row_mask[:, None] & (high_index < numel32), noise_high,
-        m_high, v_high, max_high, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
+    hyper = (step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps)
+    low = (low_index, row_mask[:, None] & (low_index < numel32), noise_low)
+    high = (high_index, row_mask[:, None] & (high_index < numel32), noise_high)
+    m_low, v_low, max_low = _update_half(param_ptr, grad_ptr, low, (m_low, v_low, max_low), hyper,
+                                         AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
+    m_high, v_high, max_high = _update_half(param_ptr, grad_ptr, high, (m_high, v_high, max_high), hyper,
+                                            AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
 
     _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_edges_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
@@ -459,7 +463,7 @@ def is_interpreted() -> bool:
 
 
 def host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 step: float, decoupled_weight_decay: bool = True) -> dict[str, float | bool]:
+                 step: float, *, decoupled_weight_decay: bool = True) -> dict[str, float | bool]:
     """The kernel's scalar arguments, formed in float64 as ``adamw_update`` forms them from
     its 0-d tensors (Triton rounds each to float32, as torch rounds a 0-d double operand).
     Decoupled (AdamW) weight decay scales the parameter by ``decay``; with L2 (Adam) weight

@@ -33,7 +33,7 @@ GRAD_ROW = 1  # the gradients' list among the kernel's eight (adamw_lowbit.tenso
 class _Launch:
     """One launch of a kind: its pieces' static addresses and its current layout."""
 
-    def __init__(self, aligned: bool, bases: list[torch.Tensor], address: torch.Tensor,
+    def __init__(self, aligned: bool, bases: list[torch.Tensor], address: torch.Tensor, *,
                  piece_param: torch.Tensor, piece_start: torch.Tensor, numels: list[int],
                  element_sizes: list[int], whole_gradients: bool):
         self.aligned = aligned
@@ -92,9 +92,9 @@ class KindPlan:
             launch_params = [piece_param[i] for i in indices]
             launches.append(_Launch(
                 aligned, [tensors[indices[0]] for tensors in pieces], address[:, indices],
-                torch.tensor(launch_params, dtype=torch.int64),
-                torch.tensor([piece_start[i] for i in indices], dtype=torch.int64),
-                [pieces[0][i].numel() for i in indices], element_sizes,
+                piece_param=torch.tensor(launch_params, dtype=torch.int64),
+                piece_start=torch.tensor([piece_start[i] for i in indices], dtype=torch.int64),
+                numels=[pieces[0][i].numel() for i in indices], element_sizes=element_sizes,
                 whole_gradients=launch_params == every_gradient))
         return launches
 
