@@ -247,7 +247,7 @@ def test_torch_clip_grad_norm_on_the_model_clips_offloaded_gradients():
         expected = helper.clip_grad_norm_(0.05)
         total_norm = torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 0.05)
         assert expected > 0.05 and torch.equal(total_norm, expected), (total_norm, expected)
-        for model, optimizer in ((helper_model, helper), (torch_model, torch_clipped)):
+        for optimizer in (helper, torch_clipped):
             optimizer.step()
             optimizer.zero_grad()
     assert_same_params(helper_model, torch_model)
