@@ -411,8 +411,21 @@ def test_hooks_do_not_keep_a_dropped_optimizer_alive():
 
 
 # --- Hugging Face Trainer ---------------------------------------------------------------
-def trained_gpt2(tmp_path, optim, optim_args=""):
-    """A 3-step Trainer run of a tiny GPT-2 with clipping (max_grad_norm=0.5) and 2 micro-batches."""
+@pytest.fixture(scope="module")
+def trained_gpt2(tmp_path_factory):
+    """``trained_gpt2(optim, optim_args)``: a 3-step Trainer run of a tiny GPT-2 with clipping
+    (max_grad_norm=0.5) and 2 micro-batches, run once per module and shared."""
+    runs = {}
+
+    def run(optim, optim_args=""):
+        if (optim, optim_args) not in runs:
+            runs[optim, optim_args] = _train_gpt2(tmp_path_factory.mktemp(optim), optim, optim_args)
+        return runs[optim, optim_args]
+
+    return run
+
+
+def _train_gpt2(tmp_path, optim, optim_args):
     transformers = pytest.importorskip("transformers")
     from lowbit_optim.integrations.transformers import register
 
@@ -438,23 +451,23 @@ def logged_grad_norms(trainer):
     return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
 
 
-def test_trainer_with_the_offload_optim_name_matches_the_plain_one(tmp_path):
+def test_trainer_with_the_offload_optim_name_matches_the_plain_one(trained_gpt2):
     pytest.importorskip("accelerate")
-    plain = trained_gpt2(tmp_path, "lowbit_adamw_8bit")
-    offloaded = trained_gpt2(tmp_path, "lowbit_adamw_8bit_offload")
+    plain = trained_gpt2("lowbit_adamw_8bit")
+    offloaded = trained_gpt2("lowbit_adamw_8bit_offload")
     inner = offloaded.optimizer.optimizer  # accelerate's wrapper around ours
     assert type(inner) is CPUOffloadOptimizer and type(inner.host_optimizer) is AdamW8bit
     assert len(inner.param_groups) == 2  # Trainer's decay / no-decay groups
     assert_same_params(plain.model, offloaded.model)
 
 
-def test_trainer_with_offload_gradients_and_max_grad_norm_clips_like_without_offload(tmp_path):
+def test_trainer_with_offload_gradients_and_max_grad_norm_clips_like_without_offload(trained_gpt2):
     """Trainer clips through accelerate and ``torch.nn.utils.clip_grad_norm_(model.parameters())``,
     then calls ``model.zero_grad()``: with offload_gradients=true that clipped nothing before
     (so it was refused). Same weights and logged gradient norms as the plain optimizer."""
     pytest.importorskip("accelerate")
-    plain = trained_gpt2(tmp_path, "lowbit_adamw_8bit")
-    offloaded = trained_gpt2(tmp_path, "lowbit_adamw_8bit_offload", ",offload_gradients=true")
+    plain = trained_gpt2("lowbit_adamw_8bit")
+    offloaded = trained_gpt2("lowbit_adamw_8bit_offload", ",offload_gradients=true")
     assert offloaded.optimizer.optimizer.offload_gradients
     norms = logged_grad_norms(plain)
     assert len(norms) == 3 and min(norms) > 0.5  # every step was clipped
