@@ -16,6 +16,7 @@ loading and ``PreparedLoad.finish`` after it. That wrapper exists for three reas
 ``to_torch_adamw`` goes the other way. See ``docs/checkpoints.md``.
 """
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -235,6 +236,10 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
     and check ``state_dict`` for ``optimizer``; raises ``ValueError`` without touching
     anything if it does not fit."""
     slots = _slots(optimizer, state_dict)
+    # The optimizer keeps a copy: its step updates moments in place and replaces ``step``, so
+    # state shared with the caller's dict would leave that dict half trained, an
+    # inconsistent checkpoint. One copy of the state, at load time only.
+    state_dict = {**state_dict, "state": copy.deepcopy(dict(state_dict["state"]))}
     state_dict = _store_float_moments(optimizer, state_dict, slots)
     state_dict = _adopt_older_formats(optimizer, state_dict, slots)
     if is_torch_adamw_state_dict(state_dict):
