@@ -72,7 +72,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_optim.functional import adam_ratio_bound
 from lowbit_optim.kernels import layout as layouts
 from lowbit_optim.kernels import tables
 from lowbit_optim.kernels.tables import codec_kind, device_tables
@@ -471,9 +470,18 @@ def host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay
         one_minus_beta2=1 - beta2,
         inv_bias_correction2_sqrt=1 / math.sqrt(1 - beta2**step),
         eps=eps,
-        max_ratio=float(adam_ratio_bound(*(torch.tensor(value, dtype=torch.float64)
-                                           for value in (beta1, beta2, step)))),
+        max_ratio=_adam_ratio_bound(beta1, beta2, step),
     )
+
+
+def _adam_ratio_bound(beta1: float, beta2: float, step: float) -> float:
+    """``functional.adam_ratio_bound`` in Python floats (tests/test_triton.py compares them):
+    the 0-d tensor operations would run inside the compiled op's call."""
+    if beta2 <= 0:
+        return math.inf
+    gamma = beta1**2 / beta2
+    geometric = step if gamma == 1 else (1 - gamma**step) / (1 - gamma)
+    return (1 - beta1) * math.sqrt(geometric / (1 - beta2)) * math.sqrt(1 - beta2**step)
 
 
 def check_launch_lists(params: list[torch.Tensor], grads: list[torch.Tensor], block_size: int) -> None:
