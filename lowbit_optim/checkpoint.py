@@ -237,10 +237,6 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
     and check ``state_dict`` for ``optimizer``; raises ``ValueError`` without touching
     anything if it does not fit."""
     slots = _slots(optimizer, state_dict)
-    # The optimizer keeps a copy: its step updates moments in place and replaces ``step``, so
-    # state shared with the caller's dict would leave that dict half trained, an
-    # inconsistent checkpoint. One copy of the state, at load time only.
-    state_dict = {**state_dict, "state": copy.deepcopy(dict(state_dict["state"]))}
     state_dict = _store_float_moments(optimizer, state_dict, slots)
     state_dict = _adopt_older_formats(optimizer, state_dict, slots)
     if is_torch_adamw_state_dict(state_dict):
@@ -248,6 +244,11 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
         # Mapped again: the converted groups now carry this optimizer's block sizes.
         slots = _slots(optimizer, state_dict)
     state_dict = _with_current_group_options(optimizer, state_dict)
+    # The optimizer keeps a copy: its step updates moments in place and replaces ``step``, so
+    # state shared with the caller's dict would leave that dict half trained, an
+    # inconsistent checkpoint. One copy of the state, at load time only; made after the
+    # conversions, which leave no foreign (torchao) tensor that could not be copied.
+    state_dict = {**state_dict, "state": copy.deepcopy(dict(state_dict["state"]))}
     validate_state_dict(optimizer, state_dict, slots)
     state, held = {}, {}
     for saved_id, entry in state_dict["state"].items():
