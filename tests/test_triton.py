@@ -24,6 +24,7 @@ from lowbit_optim import (
 from lowbit_optim.formats.catalog import get_format
 from lowbit_optim.state import QuantizedState, sharding
 from lowbit_optim.step.dispatch import resolve_backend
+from lowbit_optim.step.math import adam_ratio_bound
 
 pytest.importorskip("triton")
 from kernel_helpers import (  # noqa: E402
@@ -287,6 +288,15 @@ def test_custom_op_under_torch_compile():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         compiled(*again, *hyper)
     assert not any(event.name == "aten::clone" for event in prof.events())
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.81), (0.5, 0.0), (0.0, 0.99)])
+def test_host_ratio_bound_is_adams_own(betas):
+    """The kernel's clamp (a host float) is ``step.math.adam_ratio_bound``."""
+    for step in (1, 2, 10, 1000):
+        expected = adam_ratio_bound(*(torch.tensor(v, dtype=torch.float64) for v in (*betas, step)))
+        assert adamw_lowbit.host_scalars(1e-3, *betas, 1e-8, 0.0, step)["max_ratio"] == pytest.approx(
+            float(expected), rel=1e-12)
 
 
 def test_op_rejects_bad_input():

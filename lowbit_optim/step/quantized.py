@@ -15,7 +15,8 @@ from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.step.chunks import ParamStep, TailScratch, for_each_block_chunk, with_own_code_object
 from lowbit_optim.step.math import (
     StepScalars,
-    _bias_corrections_op,
+    _step_constants_op,
+    adam_ratio_bound,
     adamw_update,
     bias_corrections,
     compute_dtype,
@@ -57,13 +58,15 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
 
-    # On CPU, once per call (see _bias_corrections_op). Elsewhere inline, as before: the op's
+    # On CPU, once per call (see _step_constants_op). Elsewhere inline, as before: the op's
     # 0-d results are CPU tensors made inside the graph, and whether Inductor passes those to
     # a GPU kernel as it passes 0-d CPU graph inputs was not checked (no GPU at hand).
+    # The ratio is clamped at Adam's own bound: quantized moments are not exact ones.
     if param.device.type == "cpu":
-        corrections = _bias_corrections_op(beta1, beta2, step)
+        *corrections, max_ratio = _step_constants_op(beta1, beta2, step)
     else:
         corrections = bias_corrections(beta1, beta2, step)
+        max_ratio = adam_ratio_bound(beta1, beta2, step)
     new_params, new_exp_avgs, new_exp_avg_sqs, new_maxes = [], [], [], []
     for index, param_part in enumerate(param_parts):
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
@@ -71,6 +74,7 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
             exp_avg_sq_parts[index].to(dtype), max_parts[index].to(dtype) if amsgrad else None,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
             maximize=maximize, corrections=corrections, decoupled_weight_decay=decoupled_weight_decay,
+            max_ratio=max_ratio,
         )
         new_params.append(new_param)
         new_exp_avgs.append(new_exp_avg)
