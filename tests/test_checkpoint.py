@@ -238,7 +238,12 @@ def test_torch_adamw_state_dict_loads_quantized(cls):
     group = optimizer.param_groups[0]
     assert float(group["lr"]) == pytest.approx(1e-2) and group["weight_decay"] == 0.05 and group["amsgrad"]
     assert isinstance(group["lr"], float) and group["block_size"] == cls.exp_avg_format.default_block_size
-    assert "fused" not in group and "foreach" not in group
+    # torch.optim.AdamW's implementation options are ours too now (accepted, and meaningless
+    # for a step that is always fused): carried as saved, and no key beyond our own options.
+    assert set(group) == {"params", *optimizer.defaults}
+    torch_options = ("fused", "foreach", "capturable", "differentiable")
+    assert {key: group[key] for key in torch_options} == {
+        key: torch_state["param_groups"][0][key] for key in torch_options}
     for key, fmt in [("exp_avg", cls.exp_avg_format), ("exp_avg_sq", cls.exp_avg_sq_format),
                      ("max_exp_avg_sq", cls.exp_avg_sq_format)]:
         expected = QuantizedState.from_float(torch_state["state"][0][key], fmt, group["block_size"])
