@@ -10,6 +10,7 @@ from lowbit_optim.adamw import (
     AdamWFp8,
 )
 from lowbit_optim.factored_state import FactoredState
+from lowbit_optim.gradient_release import GradientRelease, release_gradients
 from lowbit_optim.memory import state_bytes
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
@@ -29,8 +30,10 @@ __all__ = [
     "CPUOffloadOptimizer",
     "FactoredState",
     "FORMATS",
+    "GradientRelease",
     "LowBitAdamW",
     "QuantFormat",
     "QuantizedState",
+    "release_gradients",
     "state_bytes",
 ]

@@ -75,6 +75,8 @@ class CPUOffloadOptimizer(Optimizer):
     the same optimizer without offload and back.
     """
 
+    _gradient_release = None  # the active gradient_release.GradientRelease, if any
+
     def __init__(self, params, optimizer_class=AdamW8bit, *, offload_gradients=False, **kwargs):
         if "minimal_size" in kwargs:
             raise TypeError(
@@ -286,6 +288,9 @@ class CPUOffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.transfers is None:  # every parameter frozen
+            return loss
+        if self._gradient_release is not None:  # backward stepped them (gradient_release)
+            self._gradient_release.end_step()
             return loss
         self.transfers.wait_uploads()
         for item in self._offloaded.values():

@@ -1,0 +1,269 @@
+"""Gradient release: the optimizer step fused into backward.
+
+``release_gradients(optimizer)`` registers a ``register_post_accumulate_grad_hook`` on every
+trained parameter. As soon as autograd has finished a parameter's gradient, the hook steps
+that parameter alone and frees its gradient, so a training step never holds more than the
+gradients still being computed instead of all of them (PyTorch's tutorial "How to save
+memory by fusing the optimizer step into the backward pass"; FlashOptim does the same).
+
+What each step reads is what ordinary stepping reads, so released and ordinary training
+give the same parameters and state bit for bit (tests/test_gradient_release.py):
+
+* one parameter steps through a ``GroupPlan`` of its own, built once and reused while it
+  holds (``step_plan``: the same checks as a group's plan, for a list of one), so a hook
+  costs a few list comparisons and the step's kernels, and the same compiled graphs serve;
+* the hyperparameters are the group's 0-d tensors (``hyperparams.GroupScalars``), refreshed
+  once per backward, at its first hook (a callback queued on the autograd engine marks its
+  end), so an LR scheduler's new value reaches the next backward as it reaches the next
+  ``step()``, with no recompile;
+* each parameter's step count advances when it is stepped, as ``step()`` advances it.
+
+While release is active:
+
+* ``optimizer.step()`` steps nothing that backward already stepped: it ends the step by
+  dropping the released gradients' placeholders, and steps (one by one, the same way) only
+  gradients the hooks never saw (assigned by hand, or of parameters added afterwards).
+  Stepping released parameters again would apply the update twice; raising would break
+  every training loop that keeps calling ``step()``, LR schedulers' checks included.
+* a released ``param.grad`` is a ``ReleasedGradient`` placeholder (``released_gradient``):
+  clipping, ``GradScaler`` and accumulation over micro-batches are told, not silently wrong.
+  ``zero_grad()`` works as usual (there is nothing left to zero).
+
+``CPUOffloadOptimizer`` composes: its own hook (registered first, so it runs first) starts
+the gradient's download; ours then waits for it, steps the host copy with the host
+optimizer's per-parameter plan and uploads it. See docs/gradient_release.md.
+"""
+
+import weakref
+
+import torch
+
+from lowbit_optim import distributed
+from lowbit_optim.offload import CPUOffloadOptimizer
+from lowbit_optim.optimizer import LowBitAdamW
+from lowbit_optim.released_gradient import is_released, released_gradient
+from lowbit_optim.step_plan import GroupPlan
+
+
+class _ParameterSteps:
+    """Steps the parameters of a ``LowBitAdamW`` one at a time, each with its own cached plan."""
+
+    def __init__(self, optimizer: LowBitAdamW):
+        self.optimizer = optimizer
+        self.plans: dict[torch.Tensor, GroupPlan] = {}
+        self.created_state = False  # since the last ``order_state``
+
+    def trained_params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def refresh(self) -> None:
+        """Read every group's hyperparameters into its 0-d tensors (raising for a bad one)."""
+        optimizer = self.optimizer
+        for index, group in enumerate(optimizer.param_groups):
+            optimizer._scalars(index).refresh(group)
+
+    def group_index(self, param: torch.Tensor) -> int:
+        for index, group in enumerate(self.optimizer.param_groups):
+            if any(p is param for p in group["params"]):
+                return index
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} is in none of the "
+                         f"{type(self.optimizer).__name__}'s param groups")
+
+    def step(self, param: torch.Tensor) -> None:
+        """``step()``'s update of ``param`` alone, with the gradient it holds now."""
+        optimizer = self.optimizer
+        optimizer._refuse_graph_capture()
+        plan = self.plans.get(param)
+        params = [param]
+        grads = None if plan is None else plan.gradients(params, optimizer.state, optimizer.backend)
+        if grads is None or not plan.steps_unchanged():
+            optimizer._check_grads({"params": params})
+            plan = self.plans[param] = self._plan(param)
+            grads = plan.gradients(params, optimizer.state, optimizer.backend)
+        index = plan.group_index
+        group = optimizer.param_groups[index]
+        scalars = optimizer._scalars(index)
+        plan.step(
+            grads, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
+            weight_decay=scalars.weight_decay, maximize=group["maximize"],
+            stochastic_round=group["bf16_stochastic_round"], scratch=optimizer._tail_scratch,
+            rounding_stream=(distributed.rank() << 16) | index,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
+
+    def order_state(self) -> None:
+        """Put ``optimizer.state`` in parameter order, as ordinary stepping creates it:
+        backward creates states last layer first, and ``state_dict()`` lists them in this
+        dict's order. Reordered in place (plans compare the mapping by identity)."""
+        if not self.created_state:
+            return
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param in state:
+                    state[param] = state.pop(param)
+        self.created_state = False
+
+    def _plan(self, param: torch.Tensor) -> GroupPlan:
+        optimizer = self.optimizer
+        index = self.group_index(param)
+        state = optimizer.state[param]
+        if not state:
+            optimizer._init_state(param, optimizer.param_groups[index], state)
+            self.created_state = True
+        plan = GroupPlan([param], optimizer.state, optimizer.backend)
+        plan.group_index = index
+        return plan
+
+
+class _OffloadedSteps:
+    """Steps ``CPUOffloadOptimizer``'s parameters one at a time: download (already started by
+    its own hook), host step, upload, as its ``step()`` does for all of them together."""
+
+    def __init__(self, optimizer: CPUOffloadOptimizer):
+        if not isinstance(optimizer.host_optimizer, LowBitAdamW):
+            raise TypeError(
+                "release_gradients needs CPUOffloadOptimizer's host optimizer to be one of "
+                f"lowbit_optim's (got {type(optimizer.host_optimizer).__name__}): only those "
+                "can step one parameter at a time with their ordinary state")
+        self.offload = optimizer
+        self.host = _ParameterSteps(optimizer.host_optimizer)
+
+    def trained_params(self) -> list[torch.Tensor]:
+        return list(self.offload._offloaded)
+
+    def refresh(self) -> None:
+        self.host.refresh()
+
+    def order_state(self) -> None:
+        self.host.order_state()
+
+    def step(self, param: torch.Tensor) -> None:
+        offload = self.offload
+        item = offload._offloaded[param]
+        offload.transfers.wait_uploads()  # the host copies are read by the last upload
+        offload._sync_gradient(item)
+        if item.host_param.grad is None:
+            return
+        if item.device_param._version != item.param_version:
+            item.host_param.copy_(item.device_param)  # written from outside since our upload
+        self.host.step(item.host_param)
+        item.host_param.grad = None
+        item.copied_grad = None
+        offload.transfers.upload([(item.device_param, item.host_param)])
+        item.param_version = item.device_param._version
+
+
+class GradientRelease:
+    """The handle ``release_gradients`` returns: ``remove()`` restores ordinary stepping."""
+
+    def __init__(self, optimizer, steps):
+        self.optimizer = optimizer
+        self._steps = steps
+        self._in_backward = False
+        self._params = steps.trained_params()
+        release_ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
+
+        def on_gradient_ready(param):
+            release = release_ref()
+            if release is not None:
+                release._on_gradient_ready(param)
+
+        self._hooks = [param.register_post_accumulate_grad_hook(on_gradient_ready)
+                       for param in self._params]
+
+    @torch.no_grad()
+    def _on_gradient_ready(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._steps.refresh()
+            self._in_backward = True
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            except RuntimeError:  # called outside a backward pass: refresh at every call
+                self._in_backward = False
+        self._steps.step(param)
+        param.grad = released_gradient(param)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+
+    @torch.no_grad()
+    def end_step(self) -> None:
+        """What ``optimizer.step()`` does while release is active (see the module docstring)."""
+        refreshed = False
+        for param in self._params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if is_released(grad):
+                param.grad = None
+                continue
+            if not refreshed:
+                self._steps.refresh()
+                refreshed = True
+            self._steps.step(param)
+            param.grad = None
+        self._steps.order_state()
+
+    def remove(self) -> None:
+        """Stop releasing: hooks removed, placeholders dropped, ``step()`` steps again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for param in self._params:
+            if is_released(param.grad):
+                param.grad = None
+        self._steps.order_state()
+        if self.optimizer._gradient_release is self:
+            self.optimizer._gradient_release = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+
+def _refuse_replicated_data_parallel(params: list[torch.Tensor]) -> None:
+    """Under DDP (or any data parallelism whose gradients are plain tensors) the hook would
+    step each rank's own gradient before it is averaged with the other ranks'."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    plain = [param for param in params if not distributed.is_dtensor(param)]
+    if plain:
+        raise ValueError(
+            f"release_gradients under a {dist.get_world_size()}-rank process group needs "
+            "FSDP2 (fully_shard) parameters, whose hooks fire on the reduce-scattered "
+            f"gradient; got a plain tensor parameter of shape {tuple(plain[0].shape)}. Under "
+            "DistributedDataParallel the hook would step each rank's gradient before it is "
+            "averaged across ranks, so the replicas would diverge: use fully_shard, or "
+            "ordinary stepping")
+
+
+def release_gradients(optimizer) -> GradientRelease:
+    """Step each parameter during backward, as soon as its gradient is ready, and free it.
+
+    ``optimizer``: any of lowbit_optim's optimizers, or a ``CPUOffloadOptimizer`` over one.
+    Returns a handle (also a context manager) whose ``remove()`` restores ordinary stepping.
+    Keep calling ``optimizer.step()`` after each backward: it steps nothing that backward
+    stepped and ends the step. Refused: DDP (plain parameters in a multi-rank process group).
+    Told when used: clipping, ``GradScaler``, gradient accumulation (see docs/gradient_release.md).
+    """
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        steps = _OffloadedSteps(optimizer)
+    elif isinstance(optimizer, LowBitAdamW):
+        steps = _ParameterSteps(optimizer)
+    else:
+        raise TypeError(
+            f"release_gradients takes lowbit_optim's optimizers (or CPUOffloadOptimizer), not "
+            f"{type(optimizer).__name__}: it steps one parameter at a time with the optimizer's "
+            "own state")
+    if optimizer._gradient_release is not None:
+        raise RuntimeError("gradient release is already active on this optimizer; remove() "
+                           "its handle first")
+    _refuse_replicated_data_parallel(steps.trained_params())
+    release = GradientRelease(optimizer, steps)
+    optimizer._gradient_release = release
+    return release
