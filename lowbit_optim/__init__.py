@@ -15,6 +15,7 @@ from lowbit_optim.memory import state_bytes
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
 from lowbit_optim.quant.formats import FORMATS, QuantFormat
+from lowbit_optim.rounding_guard import LostUpdates, RoundingLossWarning, lost_updates, warn_on_lost_updates
 from lowbit_optim.state import QuantizedState
 
 __version__ = "0.1.0"
@@ -31,9 +32,13 @@ __all__ = [
     "FactoredState",
     "FORMATS",
     "GradientRelease",
+    "LostUpdates",
     "LowBitAdamW",
     "QuantFormat",
     "QuantizedState",
+    "RoundingLossWarning",
+    "lost_updates",
     "release_gradients",
     "state_bytes",
+    "warn_on_lost_updates",
 ]

@@ -161,7 +161,7 @@ def test_zero_grad_without_set_to_none_and_closure_loops():
         for step in range(STEPS):
             optimizer.zero_grad(set_to_none=False)
 
-            def closure(step=step):
+            def closure(model=model, step=step):
                 loss = loss_of(model, step)
                 loss.backward()
                 return loss
@@ -259,7 +259,7 @@ def test_peak_memory_of_a_step_drops_by_the_gradients():
         if release:
             release_gradients(optimizer)
 
-        def training_step():
+        def training_step(model=model, optimizer=optimizer):
             model(inputs).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -42,8 +42,10 @@ def _release_runs(rank: int, out) -> dict:
             results[f"{fmt}-release-{release}-steps"] = sorted(
                 float(state["step"]) for state in optimizer.state.values())
         model(torch.randn(4, 40)).square().mean().backward()
-        results[f"{fmt}-clip"] = _error_of(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        results[f"{fmt}-accumulate"] = _error_of(lambda: model(torch.randn(4, 40)).square().mean().backward())
+        results[f"{fmt}-clip"] = _error_of(
+            lambda model=model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        results[f"{fmt}-accumulate"] = _error_of(
+            lambda model=model: model(torch.randn(4, 40)).square().mean().backward())
     ddp = DistributedDataParallel(make_model())
     results["ddp"] = _error_of(lambda: release_gradients(AdamW8bit(ddp.parameters())))
     return results
