@@ -12,7 +12,7 @@ import sys
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-COMPLETE_PAGES = ("usage.md", "triton.md")
+COMPLETE_PAGES = ("usage.md", "triton.md", "gradient_release.md")
 
 
 def examples():
