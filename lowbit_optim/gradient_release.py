@@ -9,9 +9,13 @@ memory by fusing the optimizer step into the backward pass"; FlashOptim does the
 What each step reads is what ordinary stepping reads, so released and ordinary training
 give the same parameters and state bit for bit (tests/test_gradient_release.py):
 
-* one parameter steps through a ``GroupPlan`` of its own, built once and reused while it
-  holds (``step_plan``: the same checks as a group's plan, for a list of one), so a hook
-  costs a few list comparisons and the step's kernels, and the same compiled graphs serve;
+* a parameter with quantized moments steps in its hook through a ``GroupPlan`` of its own,
+  built once and reused while it holds (``step_plan``: the same checks as a group's plan,
+  for a list of one), so a hook costs a few list comparisons and the step's kernels, and the
+  same compiled graphs serve;
+* small parameters with float moments (norms, biases) wait for the end of the backward and
+  step together, one flat step per group as in ``step()``: one by one each would cost ~40
+  operations, and their gradients are small;
 * the hyperparameters are the group's 0-d tensors (``hyperparams.GroupScalars``), refreshed
   once per backward, at its first hook (a callback queued on the autograd engine marks its
   end), so an LR scheduler's new value reaches the next backward as it reaches the next
@@ -38,7 +42,7 @@ import weakref
 
 import torch
 
-from lowbit_optim import distributed
+from lowbit_optim import backends, distributed
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
 from lowbit_optim.released_gradient import is_released, released_gradient
@@ -46,11 +50,15 @@ from lowbit_optim.step_plan import GroupPlan
 
 
 class _ParameterSteps:
-    """Steps the parameters of a ``LowBitAdamW`` one at a time, each with its own cached plan."""
+    """Steps the parameters of a ``LowBitAdamW`` one at a time, each with its own cached
+    plan, or a group's small float-state parameters together (``step_together``)."""
 
     def __init__(self, optimizer: LowBitAdamW):
         self.optimizer = optimizer
-        self.plans: dict[torch.Tensor, GroupPlan] = {}
+        self.plans: dict[torch.Tensor, GroupPlan] = {}  # one parameter's
+        self.together_plans: dict[int, GroupPlan] = {}  # per group index
+        self.positions: dict[torch.Tensor, tuple[int, int]] = {}  # (group, index in it)
+        self.small: dict[torch.Tensor, bool] = {}  # is_small, worked out once
         self.created_state = False  # since the last ``order_state``
 
     def trained_params(self) -> list[torch.Tensor]:
@@ -62,25 +70,51 @@ class _ParameterSteps:
         for index, group in enumerate(optimizer.param_groups):
             optimizer._scalars(index).refresh(group)
 
-    def group_index(self, param: torch.Tensor) -> int:
-        for index, group in enumerate(self.optimizer.param_groups):
-            if any(p is param for p in group["params"]):
-                return index
-        raise ValueError(f"a parameter of shape {tuple(param.shape)} is in none of the "
-                         f"{type(self.optimizer).__name__}'s param groups")
+    def position(self, param: torch.Tensor) -> tuple[int, int]:
+        if param not in self.positions:  # first use, or a group added since
+            self.positions = {p: (group_index, index)
+                              for group_index, group in enumerate(self.optimizer.param_groups)
+                              for index, p in enumerate(group["params"])}
+        if param not in self.positions:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is in none of the "
+                             f"{type(self.optimizer).__name__}'s param groups")
+        return self.positions[param]
+
+    def is_small(self, param: torch.Tensor) -> bool:
+        """Float moments and few elements (norms, biases): ``step()`` steps such parameters
+        of a group as one flat tensor (``functional.FloatStateStep``), a fixed number of
+        kernels for any number of them, where one by one each costs ~40 operations."""
+        small = self.small.get(param)
+        if small is None:
+            group = self.optimizer.param_groups[self.position(param)[0]]
+            small = self.small[param] = (param.numel() < backends.FLAT_FLOAT_STATE_BELOW
+                                         and not self.optimizer.is_quantized(param, group))
+        return small
 
     def step(self, param: torch.Tensor) -> None:
         """``step()``'s update of ``param`` alone, with the gradient it holds now."""
+        plan = self.plans.get(param)
+        self.plans[param] = self._run([param], plan)
+
+    def step_together(self, params: list[torch.Tensor]) -> None:
+        """``step()``'s update of ``params`` with the gradients they hold now, each group's
+        together (in group order, so that the same parameters find the same plan)."""
+        by_group: dict[int, list] = {}
+        for param in sorted(params, key=self.position):
+            by_group.setdefault(self.position(param)[0], []).append(param)
+        for group_index, members in by_group.items():
+            self.together_plans[group_index] = self._run(members, self.together_plans.get(group_index))
+
+    def _run(self, params: list[torch.Tensor], plan: GroupPlan | None) -> GroupPlan:
+        """Step ``params`` (of one group) with ``plan`` if it still holds, else a new one;
+        returns the plan used."""
         optimizer = self.optimizer
         optimizer._refuse_graph_capture()
-        plan = self.plans.get(param)
-        params = [param]
         grads = None if plan is None else plan.gradients(params, optimizer.state, optimizer.backend)
         if grads is None or not plan.steps_unchanged():
-            optimizer._check_grads({"params": params})
-            plan = self.plans[param] = self._plan(param)
+            plan = self._plan(params)
             grads = plan.gradients(params, optimizer.state, optimizer.backend)
-        index = plan.group_index
+        index = self.position(params[0])[0]
         group = optimizer.param_groups[index]
         scalars = optimizer._scalars(index)
         plan.step(
@@ -90,6 +124,19 @@ class _ParameterSteps:
             rounding_stream=(distributed.rank() << 16) | index,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
+        return plan
+
+    def _plan(self, params: list[torch.Tensor]) -> GroupPlan:
+        """A plan for ``params`` (of one group), their gradients checked and states created."""
+        optimizer = self.optimizer
+        optimizer._check_grads({"params": params})
+        group = optimizer.param_groups[self.position(params[0])[0]]
+        for param in params:
+            state = optimizer.state[param]
+            if not state:
+                optimizer._init_state(param, group, state)
+                self.created_state = True
+        return GroupPlan(params, optimizer.state, optimizer.backend)
 
     def order_state(self) -> None:
         """Put ``optimizer.state`` in parameter order, as ordinary stepping creates it:
@@ -103,17 +150,6 @@ class _ParameterSteps:
                 if param in state:
                     state[param] = state.pop(param)
         self.created_state = False
-
-    def _plan(self, param: torch.Tensor) -> GroupPlan:
-        optimizer = self.optimizer
-        index = self.group_index(param)
-        state = optimizer.state[param]
-        if not state:
-            optimizer._init_state(param, optimizer.param_groups[index], state)
-            self.created_state = True
-        plan = GroupPlan([param], optimizer.state, optimizer.backend)
-        plan.group_index = index
-        return plan
 
 
 class _OffloadedSteps:
@@ -134,6 +170,9 @@ class _OffloadedSteps:
 
     def refresh(self) -> None:
         self.host.refresh()
+
+    def is_small(self, param: torch.Tensor) -> bool:
+        return False  # each parameter's upload starts as soon as it is stepped
 
     def order_state(self) -> None:
         self.host.order_state()
@@ -161,6 +200,7 @@ class GradientRelease:
         self.optimizer = optimizer
         self._steps = steps
         self._in_backward = False
+        self._small: list[torch.Tensor] = []  # waiting for the end of this backward
         self._params = steps.trained_params()
         release_ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
 
@@ -181,15 +221,30 @@ class GradientRelease:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             except RuntimeError:  # called outside a backward pass: refresh at every call
                 self._in_backward = False
+        if self._in_backward and self._steps.is_small(param):
+            # Their gradients are small; stepped together at the end of this backward, they
+            # cost one flat step instead of one each.
+            self._small.append(param)
+            return
         self._steps.step(param)
         param.grad = released_gradient(param)
 
+    @torch.no_grad()
     def _end_backward(self) -> None:
         self._in_backward = False
+        small, self._small = self._small, []
+        if small:
+            self._steps.step_together(small)
+            for param in small:
+                param.grad = released_gradient(param)
 
     @torch.no_grad()
     def end_step(self) -> None:
         """What ``optimizer.step()`` does while release is active (see the module docstring)."""
+        # A backward that failed may have left its end unrun: its small parameters still
+        # hold their gradients, which the loop below steps.
+        self._in_backward = False
+        self._small = []
         refreshed = False
         for param in self._params:
             grad = param.grad
@@ -210,6 +265,7 @@ class GradientRelease:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._small = []
         for param in self._params:
             if is_released(param.grad):
                 param.grad = None

@@ -273,3 +273,27 @@ def test_peak_memory_of_a_step_drops_by_the_gradients():
 
 def test_public_name():
     assert lowbit_optim.release_gradients is release_gradients
+
+
+def test_small_parameters_are_stepped_together_at_the_end_of_backward(monkeypatch):
+    """Norms and biases (float moments) would cost ~40 operations each one by one; their
+    gradients are small, so they wait for the end of backward and take one flat step per
+    group, as in ``step()``. Quantized parameters step in their own hook."""
+    from lowbit_optim import functional
+
+    model = nn.Sequential(*[nn.LayerNorm(64) for _ in range(20)], nn.Linear(64, 80))
+    optimizer = AdamW8bit(model.parameters(), min_quant_size=1024, backend="eager")
+    release_gradients(optimizer)
+    flat_steps, flat_step = [], functional.FloatStateStep.step
+
+    def counted(self, grads, **options):
+        flat_steps.append(len(grads))
+        return flat_step(self, grads, **options)
+
+    monkeypatch.setattr(functional.FloatStateStep, "step", counted)
+    for _ in range(2):
+        model(torch.randn(4, 64)).square().mean().backward()
+        assert all(is_released(param.grad) for param in model.parameters())
+        optimizer.step()
+    # 40 norm parameters and the Linear's bias: one flat step per backward.
+    assert flat_steps == [41, 41]
