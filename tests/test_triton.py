@@ -693,3 +693,34 @@ def test_optimizer_stochastic_rounding_resumes_exactly_without_rng_state(monkeyp
     monkeypatch.setattr(distributed, "rank", lambda: 1)
     other_rank, _ = run(grads)
     assert not torch.equal(other_rank, uninterrupted)
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_gradient_release_through_the_kernel_matches_ordinary_stepping():
+    """``release_gradients`` launches the kernel once per parameter in backward instead of
+    once per kind at ``step()``: the same parameters and codes (no stochastic rounding,
+    whose noise depends on the position in the launch: docs/gradient_release.md)."""
+    from lowbit_optim import release_gradients
+
+    runs = []
+    for release in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 70))
+        optimizer = AdamW4bit(model.parameters(), lr=1e-2, min_quant_size=1024, backend="triton")
+        if release:
+            release_gradients(optimizer)
+        for step in range(2):
+            inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+            model(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((list(model.parameters()), optimizer))
+    (params, ordinary), (released_params, released) = runs
+    assert all(map(torch.equal, params, released_params))
+    for param, other in zip(params, released_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment, other_moment = ordinary.state[param][key], released.state[other][key]
+            if isinstance(moment, QuantizedState):
+                moment, other_moment = (torch.cat([m.codes.flatten().float(), m.scales.flatten()])
+                                        for m in (moment, other_moment))
+            assert torch.equal(moment, other_moment), key
