@@ -246,7 +246,7 @@ class GradientRelease:
         self._in_backward = False
         self._small = []
         refreshed = False
-        for param in self._params:
+        for param in self._steps.trained_params():  # with any added since, which have no hook
             grad = param.grad
             if grad is None:
                 continue

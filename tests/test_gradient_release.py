@@ -154,6 +154,21 @@ def test_gradient_assigned_by_hand_is_stepped_by_step():
     assert_same_training(*runs)
 
 
+def test_param_group_added_after_release_is_stepped_by_step():
+    runs = []
+    for release in (False, True):
+        model, optimizer, _ = new_run(AdamW8bit, release)
+        extra = nn.Parameter(torch.ones(3, 5))
+        optimizer.add_param_group({"params": [extra], "lr": 0.1})
+        for step in range(2):
+            (loss_of(model, step) + extra.square().sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((model, optimizer))
+    assert_same_training(*runs)
+    assert float(runs[1][1].state[runs[1][1].param_groups[2]["params"][0]]["step"]) == 2
+
+
 def test_zero_grad_without_set_to_none_and_closure_loops():
     runs = []
     for release in (False, True):
