@@ -1,53 +1,43 @@
-"""What ``param.grad`` holds once gradient release has stepped the parameter and freed its
-gradient: a placeholder of the gradient's shape and dtype, with no storage, that raises a
-clear error on any use.
+"""``ReleasedGradient``: what ``param.grad`` holds once gradient release has stepped the
+parameter during backward and freed its gradient (``gradient_release``).
 
-Why not ``None``: ``torch.nn.utils.clip_grad_norm_`` skips parameters whose gradient is
-``None`` and returns a norm of 0, so a user who clips after backward would be told nothing
-while nothing was clipped. ``GradScaler.unscale_`` and gradient-norm logging would be just
-as silently wrong. Every operation on the placeholder raises instead, naming the reason,
-and so does accumulating into it: a second backward before ``optimizer.step()`` (gradient
-accumulation over micro-batches) is stopped at its first gradient, before anything changes.
-Zeroing is the one operation allowed (``zero_grad(set_to_none=False)`` zeroes gradients in
-place): there is nothing left to zero.
+A ``GradientPlaceholder`` (no storage) on which every operation raises, naming the reason:
+clipping by global norm, ``GradScaler.unscale_`` and gradient-norm logging would otherwise
+see no gradient and be silently wrong, and accumulating into it (a second backward before
+``optimizer.step()``: gradient accumulation over micro-batches) is stopped at its first
+gradient, before anything changes. Zeroing is the one operation allowed
+(``zero_grad(set_to_none=False)`` zeroes gradients in place): there is nothing left to zero.
 """
 
 import torch
 from torch.distributed.tensor import DTensor
 
-_aten = torch.ops.aten
+from lowbit_optim.gradient_placeholder import GradientPlaceholder
 
-RELEASED_MESSAGE = (
-    "this parameter's gradient was released: lowbit_optim.release_gradients stepped the "
-    "parameter during backward and freed its gradient. Anything that needs the gradient "
-    "after backward cannot work with release: clipping by global norm (clip_grad_norm_), "
-    "GradScaler, reading or logging gradients, and gradient accumulation over micro-batches "
-    "(a second backward before optimizer.step(); each backward is one optimizer step). Call "
-    "optimizer.step() after every backward (it steps nothing, it ends the step), or remove "
-    "the release handle to train as usual (docs/gradient_release.md)"
-)
+aten = torch.ops.aten
 
 
-class ReleasedGradient(torch.Tensor):
-    """A storage-less stand-in for a freed gradient; every operation but zeroing raises."""
+class ReleasedGradient(GradientPlaceholder):
+    """A freed gradient's stand-in; every operation but zeroing raises."""
 
-    @staticmethod
-    def __new__(cls, like: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is _aten.zero_.default:
-            return args[0]
-        if func is _aten._foreach_zero_.default:
-            return None
-        raise RuntimeError(f"{func.__name__} on a released gradient: {RELEASED_MESSAGE}")
+    handlers = {
+        aten.zero_.default: lambda grad: grad,
+        aten._foreach_zero_.default: lambda grads: None,
+    }
 
     def __repr__(self):
         return f"ReleasedGradient(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def refusal(cls) -> str:
+        return (
+            "a released gradient: lowbit_optim.release_gradients stepped this parameter during "
+            "backward and freed its gradient. Anything that needs the gradient after backward "
+            "cannot work with release: clipping by global norm (clip_grad_norm_), GradScaler, "
+            "reading or logging gradients, and gradient accumulation over micro-batches (a "
+            "second backward before optimizer.step(); each backward is one optimizer step). "
+            "Call optimizer.step() after every backward (it steps nothing, it ends the step), "
+            "or remove the release handle to train as usual (docs/gradient_release.md)")
 
 
 def released_gradient(param: torch.Tensor) -> torch.Tensor:

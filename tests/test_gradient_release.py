@@ -205,7 +205,7 @@ def test_remove_restores_ordinary_stepping():
 def test_clip_grad_norm_after_backward_is_told():
     model, optimizer, _ = new_run(AdamW8bit, True)
     loss_of(model, 0).backward()
-    with pytest.raises(RuntimeError, match="gradient was released.*clip_grad_norm_"):
+    with pytest.raises(RuntimeError, match="released gradient.*clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
 
@@ -213,7 +213,7 @@ def test_grad_scaler_is_told():
     model, optimizer, _ = new_run(AdamW8bit, True)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(loss_of(model, 0)).backward()
-    with pytest.raises(RuntimeError, match="gradient was released.*GradScaler"):
+    with pytest.raises(RuntimeError, match="released gradient.*GradScaler"):
         scaler.step(optimizer)
 
 
@@ -255,7 +255,7 @@ def test_offload_released_matches_offload_ordinary(offload_gradients):
     assert_same_training(*runs)
     model, optimizer = runs[1]
     loss_of(model, STEPS).backward()
-    with pytest.raises(RuntimeError, match="gradient was released"):
+    with pytest.raises(RuntimeError, match="released gradient"):
         optimizer.clip_grad_norm_(1.0)
 
 
