@@ -117,6 +117,15 @@ def test_released_training_matches_ordinary_bit_for_bit(cls):
     assert all(float(state["step"]) == STEPS for state in optimizer.state.values())
 
 
+def test_amsgrad_and_maximize_released_match_ordinary():
+    runs = []
+    for release in (False, True):
+        model, optimizer, _ = new_run(Adam8bit, release, amsgrad=True, maximize=True)
+        train(model, optimizer)
+        runs.append((model, optimizer))
+    assert_same_training(*runs)
+
+
 def test_lr_scheduler_drives_released_steps_without_recompiles():
     runs = []
     for release in (False, True):
