@@ -237,6 +237,7 @@ class GradientRelease:
             self._steps.step_together(small)
             for param in small:
                 param.grad = released_gradient(param)
+        self._steps.order_state()
 
     @torch.no_grad()
     def end_step(self) -> None:

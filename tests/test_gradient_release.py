@@ -152,6 +152,17 @@ def test_backward_steps_and_step_does_not_step_again():
     assert all(float(state["step"]) == 1 for state in optimizer.state.values())
 
 
+def test_tutorial_loop_of_backward_and_zero_grad_without_step():
+    """PyTorch's tutorial never calls ``step()``: ``zero_grad()`` ends each released step."""
+    ordinary = new_run(AdamW8bit, False)[:2]
+    train(*ordinary)
+    model, optimizer, _ = new_run(AdamW8bit, True)
+    for step in range(STEPS):
+        loss_of(model, step).backward()
+        optimizer.zero_grad()
+    assert_same_training(ordinary, (model, optimizer))
+
+
 def test_gradient_assigned_by_hand_is_stepped_by_step():
     runs = []
     for release in (False, True):
