@@ -274,6 +274,13 @@ class GradientRelease:
         if self.optimizer._gradient_release is self:
             self.optimizer._gradient_release = None
 
+    def __del__(self):
+        # The optimizer is gone (it holds the only other reference): its hooks go with it.
+        # Not through the handles: collected in a cycle with the optimizer, their weak
+        # references to the hook dicts are already cleared; the parameters are held here.
+        for param, handle in zip(getattr(self, "_params", ()), getattr(self, "_hooks", ())):
+            param._post_accumulate_grad_hooks.pop(handle.id, None)
+
     def __enter__(self):
         return self
 

@@ -332,3 +332,14 @@ def test_small_parameters_are_stepped_together_at_the_end_of_backward(monkeypatc
         optimizer.step()
     # 40 norm parameters and the Linear's bias: one flat step per backward.
     assert flat_steps == [41, 41]
+
+
+def test_hooks_go_with_the_optimizer():
+    import gc
+
+    model, optimizer, handle = new_run(AdamW8bit, True)
+    del optimizer, handle
+    gc.collect()
+    loss_of(model, 0).backward()  # no optimizer: ordinary gradients, nothing stepped
+    assert all(type(param.grad) is torch.Tensor for param in model[0].parameters())
+    assert all(not param._post_accumulate_grad_hooks for param in model.parameters())
