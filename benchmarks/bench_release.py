@@ -27,7 +27,7 @@ from lowbit_optim.bench import harness
 from lowbit_optim.bench.__main__ import PRESETS
 from lowbit_optim.bench.data import VOCAB_SIZE
 from lowbit_optim.bench.model import ByteGPT
-from lowbit_optim.profiling import allocation_peak_bytes
+from lowbit_optim.bench.profiling import allocation_peak_bytes
 
 OPTIMIZERS = {"ours_8bit": AdamW8bit, "ours_4bit": AdamW4bit, "ours_factored_4bit": AdamWFactored4bit}
 

@@ -1,11 +1,11 @@
 """Gradient release (``release_gradients``): the step fused into backward gives exactly the
 parameters and state of ordinary stepping, frees each gradient as it goes, and tells the
 user when something needs the gradients it freed. FSDP2 runs in
-tests/test_gradient_release_distributed.py."""
+tests/test_distributed.py."""
 
 import pytest
 import torch
-from test_schedules import graph_count
+from helpers import graph_count
 from torch import nn
 from torch.optim import lr_scheduler
 
@@ -21,8 +21,9 @@ from lowbit_optim import (
     CPUOffloadOptimizer,
     release_gradients,
 )
-from lowbit_optim.profiling import allocation_peak_bytes
-from lowbit_optim.released_gradient import ReleasedGradient, is_released
+from lowbit_optim.bench.profiling import allocation_peak_bytes
+from lowbit_optim.optim.released_gradient import ReleasedGradient, is_released
+from lowbit_optim.step import float_state
 
 CLASSES = [AdamW8bit, AdamW4bit, AdamWFp8, AdamWFactored4bit, Adam8bit, Adam4bit, AdamFp8]
 # The AdamW classes run their compiled step (the graphs other test files compile too); the
@@ -314,18 +315,16 @@ def test_small_parameters_are_stepped_together_at_the_end_of_backward(monkeypatc
     """Norms and biases (float moments) would cost ~40 operations each one by one; their
     gradients are small, so they wait for the end of backward and take one flat step per
     group, as in ``step()``. Quantized parameters step in their own hook."""
-    from lowbit_optim import functional
-
     model = nn.Sequential(*[nn.LayerNorm(64) for _ in range(20)], nn.Linear(64, 80))
     optimizer = AdamW8bit(model.parameters(), min_quant_size=1024, backend="eager")
     release_gradients(optimizer)
-    flat_steps, flat_step = [], functional.FloatStateStep.step
+    flat_steps, flat_step = [], float_state.FloatStateStep.step
 
     def counted(self, grads, **options):
         flat_steps.append(len(grads))
         return flat_step(self, grads, **options)
 
-    monkeypatch.setattr(functional.FloatStateStep, "step", counted)
+    monkeypatch.setattr(float_state.FloatStateStep, "step", counted)
     for _ in range(2):
         model(torch.randn(4, 64)).square().mean().backward()
         assert all(is_released(param.grad) for param in model.parameters())

@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, CPUOffloadOptimizer
-from lowbit_optim.rounding_guard import RoundingLossWarning, lost_fraction, lost_updates, warn_on_lost_updates
+from lowbit_optim.optim.rounding_guard import (
+    RoundingLossWarning,
+    lost_fraction,
+    lost_updates,
+    warn_on_lost_updates,
+)
 
 STEPS = 5
 
