@@ -50,7 +50,7 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     from lowbit_optim import kernels
-    from lowbit_optim.kernels import adamw_lowbit
+    from lowbit_optim.kernels import adamw_lowbit, tables
 finally:
     os.environ.pop("TRITON_INTERPRET", None)
     if _saved_interpret is not None:
@@ -61,6 +61,11 @@ KINDS = {
     "4bit": (get_format("dynamic4-signed"), get_format("linear4-nonzero"), 128),
     "fp8": (get_format("float8-e4m3"), get_format("float8-e4m3-nonzero"), 256),
 }
+# The main benchmark's ablation of the 8-bit second moment (the plain map's bin edges, code 0
+# read as half the smallest value): its first edge is not a table midpoint, so the kernel reads
+# it from the codec. Only the bin-edge test runs it.
+WITH_ABLATIONS = {**KINDS, "8bit-edges-kept": (get_format("dynamic8-signed"),
+                                               get_format("dynamic8-unsigned-nonzero-edges-kept"), 256)}
 CODE_EDGE_RELATIVE, CODE_EDGE_ABSOLUTE = 2.0**-18, 2.0**-22
 UPDATE_RELATIVE = 2.0**-20
 # dtype -> (rtol, atol) for parameters: one ulp of the dtype (see the module docstring).
@@ -92,7 +97,7 @@ def hyper_tensors(lr, betas, weight_decay, step, eps=1e-8):
 
 
 def make_case(numel, kind, dtype, amsgrad=False):
-    exp_avg_format, exp_avg_sq_format, block_size = KINDS[kind]
+    exp_avg_format, exp_avg_sq_format, block_size = WITH_ABLATIONS[kind]
     param = torch.randn(numel).to(dtype)
     states = [QuantizedState.from_float(torch.randn(numel) * 0.1, exp_avg_format, block_size),
               QuantizedState.from_float(torch.rand(numel) * 0.01, exp_avg_sq_format, block_size)]
@@ -213,17 +218,35 @@ def test_matches_reference(kind, shape, dtype):
     run_against_reference([(param.view(shape), None, states)])
 
 
+@pytest.mark.parametrize("name", ["dynamic8-unsigned", "dynamic8-unsigned-nonzero",
+                                  "dynamic8-unsigned-nonzero-edges-kept"])
+def test_kernel_edges_give_the_codecs_codes_at_the_first_edges(name):
+    """The kernel's table encoder counts the edges a value exceeds (a binary search over
+    ``tables.encoder_edges``). Near the smallest codes, where the zero-free maps move the first
+    edge (to 3/4 of the smallest value, or keep the plain map's 1/2), that count is the codec's
+    code for every float32 other than an edge itself (a tie, which the kernel tests tolerate).
+    The kernel test's tolerance (2**-22 absolute) is wider than these bins, so this checks them."""
+    fmt = get_format(name)
+    edges = tables.encoder_edges(fmt)
+    anchors = torch.cat([edges[:4], fmt.table[:4]]).view(torch.int32)
+    values = (anchors[:, None] + torch.arange(-3000, 3001, dtype=torch.int32)).reshape(-1).view(torch.float32)
+    values = values[~torch.isin(values, edges)]
+    counted = (values[:, None] > edges[None, :]).sum(dim=1)
+    assert torch.equal(counted, fmt.codec.encode(values).long())
+
+
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(WITH_ABLATIONS))
 def test_encoder_at_bin_edges(kind):
     """Moments placed on and one or two ulps around every bin edge of both maps (table
-    midpoints, and powers of ten where the 8-bit maps change decade), in blocks whose largest
-    value is 1, so they reach the encoder unscaled. With beta1 = beta2 = 0 the new moments are
-    g and g * g."""
-    exp_avg_format, exp_avg_sq_format, block_size = KINDS[kind]
+    midpoints, the edges the kernel reads, and powers of ten where the 8-bit maps change
+    decade), in blocks whose largest value is 1, so they reach the encoder unscaled. With
+    beta1 = beta2 = 0 the new moments are g and g * g."""
+    exp_avg_format, exp_avg_sq_format, block_size = WITH_ABLATIONS[kind]
     edges = [torch.tensor(10.0) ** -k for k in range(9)]
     for fmt in (exp_avg_format, exp_avg_sq_format):
-        edges += list((fmt.table[1:] + fmt.table[:-1]) / 2)
+        kernel_edges = tables.encoder_edges(fmt)
+        edges += list((fmt.table[1:] + fmt.table[:-1]) / 2) + list(kernel_edges[kernel_edges.isfinite()])
     edges = torch.stack(edges).float().abs()
     near = [edges]
     for direction in (0.0, 2.0):

@@ -262,6 +262,7 @@ class ZeroFreeCodec:
             raise ValueError(f"zero_reads must lie in (0, 1) (a fraction of the smallest positive "
                              f"value), got {zero_reads!r}")
         self.inner = inner
+        self.keeps_edges = keep_edges
         self.table = torch.where(inner.table == 0, smallest * zero_reads, inner.table)
         # Nearest to this table, or (keep_edges) the inner codec's own first edge, t1 / 2:
         # then the codes are the inner codec's bit for bit and only code 0's value changes.
