@@ -251,6 +251,11 @@ class ZeroFreeCodec:
     the inner codec's; decoding is the same one gather from this table. Codes of the inner
     codec's format read as this one's (``QuantFormat.reads_codes_of``): only the zeros'
     meaning changes.
+
+    ``zero_reads`` sets code 0's value as a fraction of ``t1`` (default 1/2); ``keep_edges``
+    keeps the inner codec's first edge, ``t1 / 2``, so that every non-negative value keeps the
+    inner codec's code bit for bit and only what code 0 reads changes (the main benchmark's
+    ``lowbit_8bit_edges_kept`` ablation).
     """
 
     def __init__(self, inner, *, zero_reads: float = 0.5, keep_edges: bool = False):
@@ -265,7 +270,7 @@ class ZeroFreeCodec:
         self.keeps_edges = keep_edges
         self.table = torch.where(inner.table == 0, smallest * zero_reads, inner.table)
         # Nearest to this table, or (keep_edges) the inner codec's own first edge, t1 / 2:
-        # then the codes are the inner codec's bit for bit and only code 0's value changes.
+        # then a non-negative value keeps the inner codec's code and only code 0's value changes.
         low = 0.0 if keep_edges else smallest * zero_reads
         self.first_edge = (low + smallest) / 2
 
