@@ -1,6 +1,9 @@
 """Shared test setup: seeding, device parametrisation, compile counters and error helpers."""
 
 import contextlib
+import importlib
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -16,6 +19,37 @@ HAS_CUDA = torch.cuda.is_available()
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_configure(config):
+    """Import the Triton kernels once, before any test module, under the interpreter when
+    there is no GPU: Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so this is
+    the one moment it can be chosen. The variable is restored right after, so that nothing
+    else in the run is interpreted; tests that launch the kernels on CPU tensors ask for the
+    ``interpreter`` fixture. With a GPU the kernel is compiled and only CUDA tests use it."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not HAS_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module("lowbit_optim.step.kernels")
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """CPU tensors through the interpreted kernel; ``backend="triton"`` accepted on CPU."""
+    if HAS_CUDA:
+        pytest.skip("the kernel is compiled for CUDA here; the interpreter tests run in CPU CI")
+    kernels = pytest.importorskip("lowbit_optim.step.kernels")
+    if not kernels.is_interpreted():
+        pytest.fail("lowbit_optim.step.kernels was imported before TRITON_INTERPRET=1 was set in "
+                    "this process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,8 +3,7 @@
 import pytest
 import torch
 from conftest import HAS_CUDA, relative_rmse
-from test_optimizer import STEPS, train
-from test_triton import interpreter  # noqa: F401  (the fixture; importing it sets up the interpreter)
+from helpers import STEPS, train
 
 from lowbit_optim import Adam4bit, Adam8bit, AdamFp8, AdamW8bit, QuantizedState
 from lowbit_optim.checkpoint import to_torch_adamw

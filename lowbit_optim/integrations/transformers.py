@@ -31,8 +31,8 @@ routes that need no registration (``Trainer(optimizer_cls_and_kwargs=...)``).
 
 import enum
 
-from lowbit_optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
-from lowbit_optim.offload import CPUOffloadOptimizer
+from lowbit_optim.offload.optimizer import CPUOffloadOptimizer
+from lowbit_optim.optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 
 # optim name -> optimizer class. Names carry the "lowbit_" prefix: transformers already uses
 # "adamw_8bit" (bitsandbytes) and "adamw_torch_4bit" (torchao).
@@ -133,12 +133,6 @@ def _make_offload_handler(optimizer_cls):
         optim = getattr(ctx.args.optim, "value", ctx.args.optim)
         kwargs = _training_arguments_kwargs(ctx)
         kwargs.update(parse_optim_args(ctx.optim_args, optim, supported=OFFLOAD_OPTIM_ARGS))
-        if kwargs.get("offload_gradients") and ctx.args.max_grad_norm > 0:
-            # Trainer clips model.parameters()' gradients, which offload_gradients frees.
-            raise ValueError(
-                f"optim={optim!r} with offload_gradients=true needs max_grad_norm=0: Trainer "
-                "clips the device gradients, which are freed once copied to the host"
-            )
         return CPUOffloadOptimizer, {"optimizer_class": optimizer_cls, **kwargs}
 
     handler.__name__ = handler.__qualname__ = f"lowbit_optim_offload_{optimizer_cls.__name__}_handler"
