@@ -12,6 +12,13 @@ from lowbit_optim.optim import (
     AdamWFp8,
     LowBitAdamW,
 )
+from lowbit_optim.optim.release import GradientRelease, release_gradients
+from lowbit_optim.optim.rounding_guard import (
+    LostUpdates,
+    RoundingLossWarning,
+    lost_updates,
+    warn_on_lost_updates,
+)
 from lowbit_optim.state import FactoredState, QuantizedState, state_bytes
 
 __version__ = "0.1.0"
@@ -27,8 +34,14 @@ __all__ = [
     "CPUOffloadOptimizer",
     "FactoredState",
     "FORMATS",
+    "GradientRelease",
+    "LostUpdates",
     "LowBitAdamW",
     "QuantFormat",
     "QuantizedState",
+    "RoundingLossWarning",
+    "lost_updates",
+    "release_gradients",
     "state_bytes",
+    "warn_on_lost_updates",
 ]
