@@ -12,8 +12,7 @@ the optimizer owns (see ``hyperparams``).
 import torch
 from torch.optim import Optimizer
 
-from lowbit_optim.checkpoint.load import prepare_load
-from lowbit_optim.checkpoint.validate import TORCH_ADAMW_GROUP_OPTIONS
+from lowbit_optim.checkpoint import load as checkpoint
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state import sharding
 from lowbit_optim.state.quantized import MOMENT_KEYS
@@ -95,7 +94,7 @@ class LowBitAdamW(Optimizer):
             group.setdefault("block_size", self.exp_avg_format.default_block_size)
             group.setdefault("min_quant_size", 4096)
             group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
-            for key, value in TORCH_ADAMW_GROUP_OPTIONS.items():
+            for key, value in checkpoint.TORCH_ADAMW_GROUP_OPTIONS.items():
                 group.setdefault(key, value)
 
     def load_state_dict(self, state_dict) -> None:
@@ -105,7 +104,7 @@ class LowBitAdamW(Optimizer):
         that does not fit raises ``ValueError`` naming the parameter, with the optimizer left
         unchanged. See ``lowbit_optim.checkpoint`` and docs/checkpoints.md.
         """
-        prepared = prepare_load(self, state_dict)
+        prepared = checkpoint.prepare_load(self, state_dict)
         super().load_state_dict(prepared.state_dict)
         prepared.finish(self)
 
