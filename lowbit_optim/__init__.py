@@ -10,6 +10,7 @@ from lowbit_optim.adamw import (
     AdamWFp8,
 )
 from lowbit_optim.factored_state import FactoredState
+from lowbit_optim.master_weight_export import load_master_weights, master_weights_state_dict
 from lowbit_optim.memory import state_bytes
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optimizer import LowBitAdamW
@@ -30,6 +31,8 @@ __all__ = [
     "FactoredState",
     "FORMATS",
     "LowBitAdamW",
+    "load_master_weights",
+    "master_weights_state_dict",
     "QuantFormat",
     "QuantizedState",
     "state_bytes",

@@ -72,7 +72,8 @@ def resolve_backend(backend: str | None, devices=()) -> str:
 
 
 class ParamStep(NamedTuple):
-    """One parameter's share of a step: the tensors it updates and its step count."""
+    """One parameter's share of a step: the tensors it updates and its step count, and a
+    bfloat16 parameter's master weight correction (``master_weights``) if it keeps one."""
 
     param: torch.Tensor
     grad: torch.Tensor
@@ -80,6 +81,7 @@ class ParamStep(NamedTuple):
     exp_avg_sq: torch.Tensor
     max_exp_avg_sq: torch.Tensor | None
     step: torch.Tensor
+    weight_correction: torch.Tensor | None = None
 
 
 def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
@@ -125,13 +127,16 @@ class AdamWPlan:
                 # one (min_quant_size raised) steps alone rather than be copied into the flat one.
                 if entry.param.numel() < FLAT_FLOAT_STATE_BELOW:
                     key = (entry.param.device, entry.param.dtype, float(entry.step),
-                           entry.max_exp_avg_sq is not None)
+                           entry.max_exp_avg_sq is not None,
+                           None if entry.weight_correction is None else entry.weight_correction.dtype)
                 else:
                     key = id(entry.param)
                 float_state.setdefault(key, []).append(index)
             elif isinstance(entry.exp_avg_sq, FactoredState):
                 factored.append(index)
-            elif backend == "triton" and entry.param.dtype != torch.float64:
+            elif (backend == "triton" and entry.param.dtype != torch.float64
+                  and entry.weight_correction is None):
+                # The kernel has no master weight variant: those take the compiled step.
                 triton_entries.append(index)
             else:
                 self.quantized.append((index, entry._replace(grad=None)))
@@ -139,9 +144,11 @@ class AdamWPlan:
         for indices in float_state.values():
             group = [entries[i] for i in indices]
             amsgrad = group[0].max_exp_avg_sq is not None
+            master = group[0].weight_correction is not None
             self.float_state.append((indices, group[0].step, FloatStateStep(
                 [e.param for e in group], [e.exp_avg for e in group], [e.exp_avg_sq for e in group],
-                [e.max_exp_avg_sq for e in group] if amsgrad else None)))
+                [e.max_exp_avg_sq for e in group] if amsgrad else None,
+                [e.weight_correction for e in group] if master else None)))
         # The Triton kernel has no factored variant: these go through the compiled step.
         self.factored = FactoredParams([(i, entries[i]._replace(grad=None)) for i in factored],
                                        [params[i] for i in factored]) if factored else None
@@ -243,7 +250,7 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
                        decoupled_weight_decay: bool = True) -> None:
     """Update one parameter and its quantized moments in place with ``"compile"`` or
     ``"eager"``."""
-    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = entry
+    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _, weight_correction = entry
     if backend == "compile":
         step = compiled_step(exp_avg.format, exp_avg_sq.format)
     else:
@@ -256,61 +263,72 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
 
     moments = [exp_avg, exp_avg_sq] + ([max_exp_avg_sq] if max_exp_avg_sq is not None else [])
 
-    def update(param_blocks, grad_blocks, block_rows: slice, first_element: int) -> None:
+    def update(param_blocks, grad_blocks, block_rows: slice, first_element: int, correction_blocks) -> None:
         stored = [StoredMoment(m.codes[block_rows], m.scales[block_rows]) for m in moments]
         if max_exp_avg_sq is None:
             stored.append(None)
-        _call(step, backend, param_blocks, grad_blocks, stored, scalars)
+        _call(step, backend, param_blocks, grad_blocks, stored, scalars, correction_blocks)
 
-    for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
+    for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update, weight_correction)
 
 
 def for_each_block_chunk(param: torch.Tensor, grad: torch.Tensor, block_size: int,
-                         scratch: TailScratch, update) -> None:
-    """Run ``update(param_blocks, grad_blocks, block_rows, first_element)`` over ``param``'s
-    blocks in place: its whole blocks a bounded chunk at a time (``CHUNK_ELEMENTS``; every
-    chunk reuses the compiled graph), then its last, partial block through a zero-padded
-    scratch block. ``block_rows`` are the chunk's rows of the block-shaped state and
-    ``first_element`` its offset in the flattened parameter. A non-contiguous parameter
-    steps a contiguous copy, written back at the end."""
+                         scratch: TailScratch, update, weight_correction: torch.Tensor | None = None) -> None:
+    """Run ``update(param_blocks, grad_blocks, block_rows, first_element, correction_blocks)``
+    over ``param``'s blocks in place: its whole blocks a bounded chunk at a time
+    (``CHUNK_ELEMENTS``; every chunk reuses the compiled graph), then its last, partial block
+    through a zero-padded scratch block. ``block_rows`` are the chunk's rows of the
+    block-shaped state and ``first_element`` its offset in the flattened parameter;
+    ``correction_blocks`` the same blocks of ``weight_correction`` (a master weight
+    correction shaped like ``param``), ``None`` without one. A non-contiguous parameter
+    (or correction) steps a contiguous copy, written back at the end."""
     # Detached, so views of a leaf that requires grad and the scratch buffers look alike to
     # the compiled graph's guards.
-    param = param.detach()
-    work = param if param.is_contiguous() else param.contiguous()
-    flat_param = work.view(-1)
+    tensors = [param.detach()] + ([] if weight_correction is None else [weight_correction])
+    works = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    flats = [work.view(-1) for work in works]
+    flat_param = flats[0]
     flat_grad = grad.detach().reshape(-1)
     whole_blocks, tail = divmod(flat_param.numel(), block_size)
     chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
     for first in range(0, whole_blocks, chunk_blocks):
         count = min(chunk_blocks, whole_blocks - first)
         elements = slice(first * block_size, (first + count) * block_size)
-        update(flat_param[elements].view(count, block_size), flat_grad[elements].view(count, block_size),
-               slice(first, first + count), first * block_size)
+        blocks = [flat[elements].view(count, block_size) for flat in flats]
+        update(blocks[0], flat_grad[elements].view(count, block_size),
+               slice(first, first + count), first * block_size, blocks[1] if len(blocks) > 1 else None)
     if tail:
         start = whole_blocks * block_size
-        param_block = scratch.get(flat_param, block_size, "param")
+        roles = ("param", "correction")
+        tail_blocks = [scratch.get(flat, block_size, role) for flat, role in zip(flats, roles)]
         grad_block = scratch.get(flat_grad, block_size, "grad")
-        param_block[0, :tail].copy_(flat_param[start:])
+        for block, flat in zip(tail_blocks, flats):
+            block[0, :tail].copy_(flat[start:])
+            # The padding must be zeros, not the last parameter's values: its moments then
+            # stay exactly 0 and never set the block's scale, so neither the parameter order
+            # nor a resumed run's fresh buffers change the result (tests/test_checkpoint.py).
+            block[0, tail:].zero_()
         grad_block[0, :tail].copy_(flat_grad[start:])
-        # The padding must be zeros, not the last parameter's values: its moments then stay
-        # exactly 0 and never set the block's scale, so neither the parameter order nor a
-        # resumed run's fresh buffers change the result (tests/test_checkpoint.py).
-        param_block[0, tail:].zero_()
         grad_block[0, tail:].zero_()
-        update(param_block, grad_block, slice(whole_blocks, None), start)
-        flat_param[start:].copy_(param_block[0, :tail])
-    if work is not param:
-        param.copy_(work)
+        update(tail_blocks[0], grad_block, slice(whole_blocks, None), start,
+               tail_blocks[1] if len(tail_blocks) > 1 else None)
+        for block, flat in zip(tail_blocks, flats):
+            flat[start:].copy_(block[0, :tail])
+    for tensor, work in zip(tensors, works):
+        if work is not tensor:
+            tensor.copy_(work)
 
 
-def _call(step, backend, param_blocks, grad_blocks, moments, scalars):
+def _call(step, backend, param_blocks, grad_blocks, moments, scalars, correction_blocks=None):
     if backend == "compile":
-        for tensor in (param_blocks, grad_blocks, *(t for m in moments if m is not None for t in m)):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        for tensor in (param_blocks, grad_blocks, correction_blocks,
+                       *(t for m in moments if m is not None for t in m)):
+            if tensor is not None:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
         # Without this, a one-block tensor (a small parameter, or a partial last block) is
         # specialised to size 1 and gets a graph of its own; size-oblivious reasoning lets the
         # single dynamic graph serve every block count, 1 included.
         with fx_config.patch(backed_size_oblivious=True):
-            step(param_blocks, grad_blocks, *moments, scalars)
+            step(param_blocks, grad_blocks, *moments, scalars, correction_blocks)
     else:
-        step(param_blocks, grad_blocks, *moments, scalars)
+        step(param_blocks, grad_blocks, *moments, scalars, correction_blocks)

@@ -41,6 +41,7 @@ from lowbit_optim.functional import (
     squared_gradient_term,
     write_param,
 )
+from lowbit_optim.master_weights import read_master, write_master
 from lowbit_optim.quant.formats import QuantFormat
 
 
@@ -75,18 +76,22 @@ def second_moment_means(param_rows, grad_rows, beta2, weight_decay, columns, all
 
 def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized,
                         first_element, columns, lr, beta1, eps, weight_decay, bias_correction1,
-                        bias_correction2_sqrt, max_ratio, *, exp_avg_format: QuantFormat,
-                        maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool):
+                        bias_correction2_sqrt, max_ratio, weight_correction=None, *,
+                        exp_avg_format: QuantFormat, maximize: bool, stochastic_round: bool,
+                        decoupled_weight_decay: bool):
     """Whole blocks ``(n, block_size)`` of a parameter starting at flat element
     ``first_element`` (0-d int64), in place: the first moment's codes and scales and the
     parameter. ``row`` and ``col_normalized`` (``col / mean(col)``) are this step's
     statistics; ``columns`` (0-d int64) the length of the last dimension. Elements past the
-    parameter's end (a padded last block) read the last row's statistics."""
+    parameter's end (a padded last block) read the last row's statistics.
+    ``weight_correction``: the same blocks of a bfloat16 parameter's master weight correction
+    (``master_weights``), or ``None``."""
     dtype = compute_dtype(param)
     blocks, block_size = param.shape
     exp_avg_parts = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
+    weight_correction_parts = None if weight_correction is None else exp_avg_format.split(weight_correction)
     part_width = block_size // len(param_parts)
     block_starts = first_element + torch.arange(blocks, device=param.device)[:, None] * block_size
     corrections = (bias_correction1, bias_correction2_sqrt)
@@ -97,6 +102,8 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
         row_index = flat // columns
         col_index = flat - row_index * columns
         second_moment = row[row_index.clamp(max=row.shape[0] - 1)] * col_normalized[col_index]
+        if weight_correction_parts is not None:
+            param_part = read_master(param_part, weight_correction_parts[index])
         old_param, exp_avg = param_part.to(dtype), exp_avg_parts[index].to(dtype)
         finite, safe_grad = effective_gradient(old_param, grad_parts[index].to(dtype),
                                                weight_decay=weight_decay, maximize=maximize,
@@ -111,8 +118,11 @@ def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_nor
     codes, scales = exp_avg_format.encode_parts(new_exp_avgs)
     exp_avg_codes.copy_(codes)
     exp_avg_scales.copy_(scales)
-    for param_part, new_param in zip(param_parts, new_params):
-        write_param(param_part, new_param, stochastic_round=stochastic_round)
+    for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
+        if weight_correction_parts is not None:
+            write_master(param_part, weight_correction_parts[index], new_param)
+        else:
+            write_param(param_part, new_param, stochastic_round=stochastic_round)
 
 
 @functools.cache
@@ -221,6 +231,8 @@ class FactoredParams:
         factored = entry.exp_avg_sq
         rows, columns = factored.row.numel(), factored.col.numel()
         param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
+        if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
+            param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
         grad_matrix = entry.grad.detach().reshape(rows, columns)
         # 0-d int64 inputs, filled in place: sizes as tensors, so no size is a guarded constant.
         columns_scalar = scratch.index_scalar("columns").fill_(columns)
@@ -242,7 +254,7 @@ class FactoredParams:
         blocks at a time (``step_scalars``: the two bias corrections and Adam's bound)."""
         from lowbit_optim.backends import for_each_block_chunk  # (an import cycle)
 
-        param, grad, exp_avg, factored, _, _ = entry
+        param, grad, exp_avg, factored, _, _, weight_correction = entry
         compiled = backend == "compile"
         update_step = compiled_functions(exp_avg.format)[1] if compiled else factored_adamw_step
         scalars = (hyper.lr, hyper.beta1, hyper.eps, hyper.weight_decay, *step_scalars)
@@ -252,10 +264,13 @@ class FactoredParams:
         first_element_scalar = scratch.index_scalar("first_element")
         options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
         dynamic = {index: (0,) for index in range(6)}
+        if weight_correction is not None:
+            dynamic[8 + len(scalars)] = (0,)  # after first_element, columns and the scalars
 
-        def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
+        def update(param_blocks, grad_blocks, block_rows: slice, first_element: int, correction_blocks):
             _call(update_step, compiled, dynamic, param_blocks, grad_blocks, exp_avg.codes[block_rows],
                   exp_avg.scales[block_rows], factored.row, col_normalized,
-                  first_element_scalar.fill_(first_element), columns_scalar, *scalars, **options)
+                  first_element_scalar.fill_(first_element), columns_scalar, *scalars, correction_blocks,
+                  **options)
 
-        for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
+        for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update, weight_correction)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from lowbit_optim.master_weights import read_master, split_master, write_master
 from lowbit_optim.quant.formats import QuantFormat
 
 
@@ -235,16 +236,19 @@ class FloatStateStep:
     one; moments laid out as consecutive views of one tensor (``step_plan`` does that) are
     updated in place, others gathered and written back the same way (``_Flat``).
     ``max_exp_avg_sqs`` is ``None`` unless amsgrad is on. The moments are ``compute_dtype``
-    (float32; float64 for float64 parameters).
+    (float32; float64 for float64 parameters). ``weight_corrections``: the bfloat16 parameters'
+    master weight corrections (``master_weights``), or ``None`` without master weights.
     """
 
-    def __init__(self, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+    def __init__(self, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weight_corrections=None):
         self.params = list(params)
         self.moments = [list(exp_avgs), list(exp_avg_sqs)]
         if max_exp_avg_sqs is not None:
             self.moments.append(list(max_exp_avg_sqs))
         self.param_flat = _Flat(self.params)
         self.moment_flats = [_Flat(moments) for moments in self.moments]
+        self.weight_corrections = None if weight_corrections is None else list(weight_corrections)
+        self.weight_correction_flat = None if weight_corrections is None else _Flat(self.weight_corrections)
         # Gradients are new tensors at every step: only a buffer for them is kept.
         self.grad_buffer = None if len(self.params) == 1 else _Flat(self.params)
 
@@ -253,21 +257,30 @@ class FloatStateStep:
         dtype = compute_dtype(self.params[0])
         grad = grads[0].reshape(-1) if self.grad_buffer is None else self.grad_buffer.gather(grads)
         moments = [flat.gather(tensors) for flat, tensors in zip(self.moment_flats, self.moments)]
+        param = self.param_flat.gather(self.params)
+        if self.weight_corrections is not None:
+            param = read_master(param, self.weight_correction_flat.gather(self.weight_corrections))
         new_param, *new_moments = adamw_update(
-            self.param_flat.gather(self.params).to(dtype), grad.to(dtype), moments[0], moments[1],
+            param.to(dtype), grad.to(dtype), moments[0], moments[1],
             moments[2] if len(moments) == 3 else None,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
             maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
         )
         for flat, tensors, values in zip(self.moment_flats, self.moments, new_moments):
             flat.scatter(tensors, values)
+        if self.weight_corrections is not None:
+            rounded, remainder = split_master(new_param, self.weight_corrections[0].dtype)
+            self.param_flat.scatter(self.params, rounded)
+            self.weight_correction_flat.scatter(self.weight_corrections, remainder)
+            return
         if stochastic_round and self.params[0].dtype == torch.bfloat16:
             new_param = round_to_bfloat16_stochastic(new_param)
         self.param_flat.scatter(self.params, new_param)
 
 
 def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredMoment,
-                         max_exp_avg_sq: StoredMoment | None, scalars: StepScalars, *,
+                         max_exp_avg_sq: StoredMoment | None, scalars: StepScalars,
+                         weight_correction: torch.Tensor | None = None, *,
                          exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat,
                          maximize: bool, stochastic_round: bool,
                          decoupled_weight_decay: bool = True):
@@ -275,8 +288,10 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
 
     ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; the moments are the stored
     tensors of their ``QuantizedState`` (the same rows), ``max_exp_avg_sq`` ``None`` unless
-    amsgrad is on. Only tensors are taken, so ``torch.compile`` traces it once per state kind
-    and parameter dtype, whatever the parameter's shape.
+    amsgrad is on. ``weight_correction``: the blocks of a bfloat16 parameter's master weight
+    correction (``master_weights``), whose master weight is read and written instead of the
+    parameter, or ``None``. Only tensors are taken, so ``torch.compile`` traces it once per
+    state kind, parameter dtype and correction dtype, whatever the parameter's shape.
     """
     # Each ``split`` slice of the blocks (the low and high halves for 4-bit, whose codes share
     # bytes; the whole block for 8-bit) is decoded, updated and encoded on its own and only
@@ -293,6 +308,7 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
         max_exp_avg_sq = exp_avg_sq_format.decode_parts(*stored[2])
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
+    weight_correction_parts = None if weight_correction is None else exp_avg_format.split(weight_correction)
 
     # On CPU, once per call (see _bias_corrections_op). Elsewhere inline, as before: the op's
     # 0-d results are CPU tensors made inside the graph, and whether Inductor passes those to
@@ -303,6 +319,8 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
         corrections = bias_corrections(beta1, beta2, step)
     new_params, new_exp_avgs, new_exp_avg_sqs, new_maxes = [], [], [], []
     for index, param_part in enumerate(param_parts):
+        if weight_correction_parts is not None:
+            param_part = read_master(param_part, weight_correction_parts[index])
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
             param_part.to(dtype), grad_parts[index].to(dtype), exp_avg[index].to(dtype),
             exp_avg_sq[index].to(dtype),
@@ -323,5 +341,8 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
             target.codes.copy_(codes)
             target.scales.copy_(scales)
     # Written slice by slice: a torch.cat here made Inductor materialise its inputs.
-    for param_part, new_param in zip(param_parts, new_params):
-        write_param(param_part, new_param, stochastic_round=stochastic_round)
+    for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
+        if weight_correction_parts is not None:
+            write_master(param_part, weight_correction_parts[index], new_param)
+        else:
+            write_param(param_part, new_param, stochastic_round=stochastic_round)

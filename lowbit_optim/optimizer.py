@@ -5,6 +5,8 @@ The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state format
 behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
 moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
 float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
+With ``master_weight_bits`` (24 or 32), each bfloat16 parameter also keeps an integer
+correction that makes it a 24- or 32-bit master weight (``master_weights``).
 ``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
 the optimizer owns (see ``hyperparams``).
 """
@@ -15,6 +17,13 @@ from torch.optim import Optimizer
 from lowbit_optim import backends, checkpoint, distributed
 from lowbit_optim.functional import compute_dtype
 from lowbit_optim.hyperparams import GroupScalars, check_hyperparameters
+from lowbit_optim.master_weights import (
+    CORRECTION_KEY,
+    check_master_weight_options,
+    check_master_weight_param,
+    needs_correction,
+    zeros_correction,
+)
 from lowbit_optim.quant.formats import QuantFormat
 from lowbit_optim.state import MOMENT_KEYS
 from lowbit_optim.step_plan import GroupPlan
@@ -40,19 +49,30 @@ class LowBitAdamW(Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, block_size=None, min_quant_size=4096,
-                 bf16_stochastic_round=False, backend=None):
+                 bf16_stochastic_round=False, master_weight_bits=None, backend=None):
         if block_size is None:
             block_size = self.exp_avg_format.default_block_size
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, block_size=block_size, min_quant_size=min_quant_size,
-            bf16_stochastic_round=bf16_stochastic_round,
+            bf16_stochastic_round=bf16_stochastic_round, master_weight_bits=master_weight_bits,
             decoupled_weight_decay=self.decoupled_weight_decay,
         )
         self._init_step_helpers()
         super().__init__(params, defaults)
         # From the parameters' devices: None picks "triton" only when they are all CUDA.
         self.backend = backends.resolve_backend(backend, self._devices())
+        if backend == "triton":
+            for group in self.param_groups:
+                self._refuse_triton_master_weights(group)
+
+    def _refuse_triton_master_weights(self, group: dict) -> None:
+        if group["master_weight_bits"] is not None:
+            raise ValueError(
+                f"Invalid master_weight_bits: {group['master_weight_bits']!r} with "
+                "backend='triton' (the Triton kernel has no master weight variant yet); use "
+                "backend=None, which steps parameters with master weights through the compiled step"
+            )
 
     def _init_step_helpers(self) -> None:
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
@@ -77,6 +97,7 @@ class LowBitAdamW(Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("bf16_stochastic_round", False)
+            group.setdefault("master_weight_bits", None)
             group.setdefault("block_size", self.exp_avg_format.default_block_size)
             group.setdefault("min_quant_size", 4096)
             group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
@@ -109,6 +130,9 @@ class LowBitAdamW(Optimizer):
             tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
             if isinstance(tensor, torch.Tensor):
                 self._check_param(tensor)
+                check_master_weight_param(tensor, candidate["master_weight_bits"], type(self).__name__)
+        if getattr(self, "backend", None) == "triton":
+            self._refuse_triton_master_weights(candidate)
         super().add_param_group(param_group)
 
     def _check_param(self, param: torch.Tensor) -> None:
@@ -140,6 +164,7 @@ class LowBitAdamW(Optimizer):
         min_quant_size = group["min_quant_size"]
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
+        check_master_weight_options(group["master_weight_bits"], group["bf16_stochastic_round"])
 
     # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
     def moment_keys(self, group: dict) -> tuple[str, ...]:
@@ -172,6 +197,8 @@ class LowBitAdamW(Optimizer):
             else:
                 state[key] = torch.zeros_like(param, dtype=compute_dtype(param),
                                               memory_format=torch.preserve_format)
+        if needs_correction(param, group["master_weight_bits"]):
+            state[CORRECTION_KEY] = zeros_correction(param, group["master_weight_bits"])
 
     # --- the step -----------------------------------------------------------------------
     def _check_grads(self, group: dict) -> None:
@@ -273,6 +300,7 @@ class LowBitAdamW(Optimizer):
         local shards."""
         for param in group["params"]:
             if param.grad is not None:
+                check_master_weight_param(param, group["master_weight_bits"], type(self).__name__)
                 state = self.state[param]
                 if not state:
                     self._init_state(param, group, state)

@@ -37,6 +37,7 @@ import torch
 
 from lowbit_optim import backends, distributed
 from lowbit_optim.functional import consecutive_views
+from lowbit_optim.master_weights import CORRECTION_KEY
 from lowbit_optim.state import MOMENT_KEYS
 
 # Read with C-level getters in one pass per list: a parameter's dtype and shape as one tuple,
@@ -108,7 +109,7 @@ class GroupPlan:
         local = distributed.local  # FSDP2: each rank steps its own shards
         entries = [
             backends.ParamStep(local(param), local(grad), local(s["exp_avg"]), local(s["exp_avg_sq"]),
-                               local(s.get("max_exp_avg_sq")), s["step"])
+                               local(s.get("max_exp_avg_sq")), s["step"], local(s.get(CORRECTION_KEY)))
             for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
         ]
         self.adamw = backends.AdamWPlan(entries, backend, self.with_grad)
