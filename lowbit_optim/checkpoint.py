@@ -228,6 +228,7 @@ class PreparedLoad:
     held: dict
 
     def finish(self, optimizer) -> None:
+        bits_of = {id(p): g["master_weight_bits"] for g in optimizer.param_groups for p in g["params"]}
         for saved_id, (order, values) in self.held.items():
             param = self.slots[saved_id].param
             state = dict(optimizer.state[param])
@@ -239,7 +240,7 @@ class PreparedLoad:
                     state[key] = value.to(device=param.device)
                 else:
                     state[key] = value.to(device=param.device, dtype=compute_dtype(param))
-            bits = {**optimizer.defaults, **self.slots[saved_id].group}["master_weight_bits"]
+            bits = bits_of[id(param)]
             if needs_correction(param, bits) and CORRECTION_KEY not in state:
                 # Saved without master weights: the master weight starts as the parameter.
                 state[CORRECTION_KEY] = zeros_correction(param, bits)
@@ -504,9 +505,12 @@ def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
 def _with_current_group_options(optimizer, state_dict: dict) -> dict:
     """``state_dict`` with every group option it predates (``decoupled_weight_decay`` in
     checkpoints saved before the Adam classes) set to this optimizer's current value, since
-    ``Optimizer.load_state_dict`` replaces the groups by the saved ones."""
+    ``Optimizer.load_state_dict`` replaces the groups by the saved ones. ``master_weight_bits``
+    is always the optimizer's own: it says which state the parameters keep, so a checkpoint
+    saved without master weights can resume with them (the corrections start at zero) and
+    one whose corrections do not fit is refused (``check_loaded_correction``)."""
     groups = []
     for saved, own in zip(state_dict["param_groups"], optimizer.param_groups):
         missing = {k: v for k, v in own.items() if k not in saved and k not in ("params", "param_names")}
-        groups.append({**saved, **missing})
+        groups.append({**saved, **missing, "master_weight_bits": own["master_weight_bits"]})
     return {**state_dict, "param_groups": groups}

@@ -58,7 +58,8 @@ def needs_correction(param: torch.Tensor, bits: int | None) -> bool:
 
 def check_master_weight_options(bits, stochastic_round) -> None:
     """Refuse an invalid ``master_weight_bits`` or one combined with stochastic rounding."""
-    if bits is not None and (isinstance(bits, bool) or bits not in MASTER_WEIGHT_BITS):
+    valid = bits is None or (isinstance(bits, int) and not isinstance(bits, bool) and bits in MASTER_WEIGHT_BITS)
+    if not valid:
         raise ValueError(f"Invalid master_weight_bits: {bits!r} (None, 24 or 32)")
     if bits is not None and stochastic_round:
         raise ValueError(
