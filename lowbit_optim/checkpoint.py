@@ -398,8 +398,9 @@ def to_torch_adamw(state_dict, *, params=None) -> dict:
     Master weight corrections (``master_weight_bits``) are no ``torch.optim.AdamW`` state: a
     state dict holding them needs ``params``, the optimizer's parameters in the order of its
     groups (``[p for g in optimizer.param_groups for p in g["params"]]``), and the result
-    gets ``"master_weights"``: parameter id -> float32 master weight, to copy into a float32
-    model (``master_weights_state_dict`` gives the same by parameter name).
+    gets ``"master_weights"``: parameter id -> float32 master weight for every parameter, in
+    group order (float32 copies of those without a correction), to copy into a float32 model
+    (``master_weights_state_dict`` gives the same by parameter name).
     """
     ids = [saved_id for saved in state_dict["param_groups"] for saved_id in saved["params"]]
     has_corrections = any(CORRECTION_KEY in entry for entry in state_dict["state"].values())
@@ -435,8 +436,15 @@ def to_torch_adamw(state_dict, *, params=None) -> dict:
             converted[key] = value
         state[saved_id] = converted
     if has_corrections:
+        # Every parameter, in group order: those without a correction as float32 copies.
+        master_weights = {saved_id: master_weights.get(saved_id, _float32_copy(param_of[saved_id]))
+                          for saved_id in ids}
         return {"state": state, "param_groups": groups, "master_weights": master_weights}
     return {"state": state, "param_groups": groups}
+
+
+def _float32_copy(param: torch.Tensor) -> torch.Tensor:
+    return local(param).detach().to(torch.float32, copy=True)
 
 
 def _map_moments(state_dict: dict, slots: dict, convert) -> dict:

@@ -58,7 +58,8 @@ def needs_correction(param: torch.Tensor, bits: int | None) -> bool:
 
 def check_master_weight_options(bits, stochastic_round) -> None:
     """Refuse an invalid ``master_weight_bits`` or one combined with stochastic rounding."""
-    valid = bits is None or (isinstance(bits, int) and not isinstance(bits, bool) and bits in MASTER_WEIGHT_BITS)
+    # 24.0 == 24 and True == 1: only the ints themselves.
+    valid = bits is None or (type(bits) is int and bits in MASTER_WEIGHT_BITS)
     if not valid:
         raise ValueError(f"Invalid master_weight_bits: {bits!r} (None, 24 or 32)")
     if bits is not None and stochastic_round:
