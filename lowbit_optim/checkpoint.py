@@ -16,6 +16,7 @@ loading and ``PreparedLoad.finish`` after it. That wrapper exists for three reas
 ``to_torch_adamw`` goes the other way. See ``docs/checkpoints.md``.
 """
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -260,6 +261,11 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
         # Mapped again: the converted groups now carry this optimizer's block sizes.
         slots = _slots(optimizer, state_dict)
     state_dict = _with_current_group_options(optimizer, state_dict)
+    # The optimizer keeps a copy: its step updates moments in place and replaces ``step``, so
+    # state shared with the caller's dict would leave that dict half trained, an
+    # inconsistent checkpoint. One copy of the state, at load time only; made after the
+    # conversions, which leave no foreign (torchao) tensor that could not be copied.
+    state_dict = {**state_dict, "state": copy.deepcopy(dict(state_dict["state"]))}
     validate_state_dict(optimizer, state_dict, slots)
     state, held = {}, {}
     for saved_id, entry in state_dict["state"].items():
