@@ -1,5 +1,5 @@
 """``master_weight_bits``: bfloat16 parameters with a 24- or 32-bit master weight kept as an
-integer correction in the optimizer state (lowbit_optim.master_weights).
+integer correction in the optimizer state (lowbit_optim.step.master_weights).
 
 The reference is the same optimizer over float32 parameters given the same gradients (bfloat16
 values, so both runs read identical gradients): with 32 bits the bfloat16 run's master
@@ -22,7 +22,7 @@ from lowbit_optim import (
     state_bytes,
 )
 from lowbit_optim.checkpoint import to_torch_adamw
-from lowbit_optim.master_weights import CORRECTION_KEY, read_master, split_master
+from lowbit_optim.step.master_weights import CORRECTION_KEY, read_master, split_master
 
 # Quantized with a partial last block (300 x 70 = 21000 = 164 blocks of 128 + 8), quantized
 # whole, and small (float moments, the flat float-state step).
@@ -296,7 +296,7 @@ def _fsdp_master_weight_runs(rank: int, out) -> dict:
     from test_distributed import OPTIONS, _load, batch, gathered, make_model, shard
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from lowbit_optim.distributed import local, wrap_like
+    from lowbit_optim.state.sharding import local, wrap_like
 
     def bf16_model():
         return shard(make_model().to(torch.bfloat16))
