@@ -63,9 +63,9 @@ def with_own_code_object(fn, name: str):
     budget of graphs (one per parameter dtype and flag combination), instead of sharing one.
     """
     code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return functools.update_wrapper(
-        types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__), fn
-    )
+    copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__  # the keyword-only defaults (FunctionType drops them)
+    return functools.update_wrapper(copy, fn)
 
 
 class TailScratch:
