@@ -13,6 +13,13 @@ from lowbit_optim.optim import (
     AdamWFp8,
     LowBitAdamW,
 )
+from lowbit_optim.optim.release import GradientRelease, release_gradients
+from lowbit_optim.optim.rounding_guard import (
+    LostUpdates,
+    RoundingLossWarning,
+    lost_updates,
+    warn_on_lost_updates,
+)
 from lowbit_optim.state import FactoredState, QuantizedState, state_bytes
 
 __version__ = "0.1.0"
@@ -28,10 +35,16 @@ __all__ = [
     "CPUOffloadOptimizer",
     "FactoredState",
     "FORMATS",
+    "GradientRelease",
+    "LostUpdates",
     "LowBitAdamW",
     "load_master_weights",
     "master_weights_state_dict",
     "QuantFormat",
     "QuantizedState",
+    "RoundingLossWarning",
+    "lost_updates",
+    "release_gradients",
     "state_bytes",
+    "warn_on_lost_updates",
 ]

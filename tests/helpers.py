@@ -3,7 +3,8 @@
 import torch
 from torch.optim import lr_scheduler
 
-from lowbit_optim import FactoredState, QuantizedState
+from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
+from lowbit_optim.step import factored, quantized
 
 # The regression problem's length: the bounds against torch.optim.AdamW and Adam in
 # tests/test_optimizer.py and tests/test_adam.py were measured at it.
@@ -78,3 +79,12 @@ SCHEDULES = {
     "StepLR": lambda opt: lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
     "ReduceLROnPlateau": lambda opt: lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.7),
 }
+
+
+def graph_count(optimizer):
+    """Graphs of the optimizer's compiled steps (the factored class has two more functions:
+    its statistics and its update)."""
+    count = quantized.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
+    if isinstance(optimizer, AdamWFactored4bit):
+        count += factored.compiled_graph_count(optimizer.exp_avg_format)
+    return count

@@ -58,7 +58,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
+from lowbit_optim import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFactored4bit,
+    AdamWFp8,
+    FactoredState,
+    QuantizedState,
+    release_gradients,
+)
 
 OPTIMIZERS = {"8bit": AdamW8bit, "4bit": AdamW4bit, "fp8": AdamWFp8, "factored": AdamWFactored4bit}
 BLOCKWISE = ("8bit", "4bit", "fp8")  # every moment blockwise codes: each shard's blocks stand alone
@@ -268,6 +276,46 @@ def _two_rank_runs(rank: int, out: Path) -> dict:
     train(model, optimizer, STEPS, record=results["hsdp-factored-steps"])
     results["hsdp-factored-statistics"] = factored_statistics(optimizer, model)
     results["hsdp-factored-placements"] = str(model[0].weight.placements)
+    results.update(_gradient_release_runs())
+    return results
+
+
+# Gradient release: 4-bit blockwise state, and the factored second moment, whose column
+# statistics are summed across ranks inside each parameter's step (an all-reduce from within
+# the hook, every rank in the same order).
+RELEASED = ("4bit", "factored")
+
+
+def _error_of(function) -> str | None:
+    try:
+        function()
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+    return None
+
+
+def _gradient_release_runs() -> dict:
+    """FSDP2 calls the sharded parameter's post-accumulate-grad hooks itself, after the
+    reduce-scatter: release then steps each shard as ordinary stepping would. Both runs are
+    made here, so their gradients come from the same code and the comparison can be exact."""
+    results = {}
+    for fmt in RELEASED:
+        for release in (False, True):
+            model, optimizer = new_fsdp(fmt)
+            if release:
+                release_gradients(optimizer)
+            train(model, optimizer, STEPS)
+            results[f"release-{fmt}-{release}"] = snapshot(model, optimizer)
+            results[f"release-{fmt}-{release}-steps"] = sorted(
+                float(state["step"]) for state in optimizer.state.values())
+        inputs = batch(0)[0]
+        model(inputs).square().mean().backward()
+        results[f"release-{fmt}-clip"] = _error_of(
+            lambda model=model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        results[f"release-{fmt}-accumulate"] = _error_of(
+            lambda model=model, inputs=inputs: model(inputs).square().mean().backward())
+    ddp = DistributedDataParallel(make_model())
+    results["release-ddp"] = _error_of(lambda: release_gradients(AdamW8bit(ddp.parameters())))
     return results
 
 
@@ -748,3 +796,23 @@ def test_factored_optimizer_refuses_parameters_sharded_by_columns(runs):
     message = runs["factored-column-shard-error"]
     assert message is not None, "AdamWFactored4bit accepted a parameter sharded by columns"
     assert "sharded along dim 0" in message and "Shard(dim=1)" in message, message
+
+
+@pytest.mark.parametrize("fmt", RELEASED)
+def test_fsdp2_released_training_matches_ordinary_exactly(runs, fmt):
+    ordinary, released = runs[f"release-{fmt}-False"], runs[f"release-{fmt}-True"]
+    for part in ("params", "moments"):
+        assert ordinary[part].keys() == released[part].keys()
+        for key, value in ordinary[part].items():
+            assert torch.equal(value, released[part][key]), (part, key)
+    assert runs[f"release-{fmt}-True-steps"] == runs[f"release-{fmt}-False-steps"] == [STEPS] * 4
+
+
+@pytest.mark.parametrize("fmt", RELEASED)
+def test_fsdp2_clipping_and_accumulation_under_release_are_told(runs, fmt):
+    assert "released gradient" in runs[f"release-{fmt}-clip"]
+    assert "released gradient" in runs[f"release-{fmt}-accumulate"]
+
+
+def test_gradient_release_refuses_ddp(runs):
+    assert "DistributedDataParallel" in runs["release-ddp"]

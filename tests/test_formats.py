@@ -13,6 +13,7 @@ from lowbit_optim.formats.catalog import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
     DYNAMIC_8BIT_UNSIGNED,
+    DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT,
     DYNAMIC_8BIT_UNSIGNED_NONZERO,
     FLOAT8,
     FLOAT8_NONZERO,
@@ -40,6 +41,7 @@ MAX_ERROR_PER_ABSMAX = {
     DYNAMIC_8BIT_SIGNED.name: 0.9 / 64 / 2 * 1.001,
     DYNAMIC_8BIT_UNSIGNED.name: 0.9 / 128 / 2 * 1.001,
     DYNAMIC_8BIT_UNSIGNED_NONZERO.name: 0.9 / 128 / 2 * 1.001,
+    DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT.name: 0.9 / 128 / 2 * 1.001,
     DYNAMIC_4BIT_SIGNED.name: (1 - 0.8875) * 1.001,
     LINEAR_4BIT_NONZERO.name: 1 / 16 * 1.001,
     # e4m3fn's top binade [256, 448] is 32 apart: half of it, of 448.
@@ -62,10 +64,18 @@ def test_4bit_maps_are_the_documented_tables():
     assert (maps.LINEAR_4BIT > 0).all(), "the second-moment map must not contain zero"
 
 
+def nearest_in(fmt):
+    """The table whose nearest code the encoder picks: the format's own, except for a zero-free
+    codec that keeps the plain map's edges, whose codes are the plain map's nearest."""
+    codec = fmt.codec
+    keeps_edges = isinstance(codec, codecs.ZeroFreeCodec) and codec.keeps_edges
+    return codec.inner.table if keeps_edges else fmt.table
+
+
 def excess_distance(fmt, normalized):
     """How much farther the chosen code is than the nearest one, in ulps of the input."""
     codes = fmt.codec.encode(normalized).long()
-    distance = (fmt.table.double()[None, :] - normalized.double()[:, None]).abs()
+    distance = (nearest_in(fmt).double()[None, :] - normalized.double()[:, None]).abs()
     best = distance.min(dim=1).values
     chosen = distance.gather(1, codes[:, None])[:, 0]
     ulp = (normalized.abs().nextafter(torch.tensor(2.0)) - normalized.abs()).double()
@@ -86,7 +96,8 @@ def test_encode_at_midpoints_errs_by_at_most_a_few_ulps(fmt):
     # A value within a few ulps of a midpoint is a tie in float32: the 8-bit codec computes
     # bin edges arithmetically, so it may pick the other neighbour there, never a farther code.
     # An input k ulps from a midpoint is 2k ulps closer to one neighbour; we probe k <= 3.
-    midpoints = (fmt.table[1:] + fmt.table[:-1]) / 2
+    table = nearest_in(fmt)
+    midpoints = (table[1:] + table[:-1]) / 2
     around = [midpoints]
     for direction in (2.0, -2.0):
         step = midpoints
@@ -110,8 +121,10 @@ def reference_encode(fmt, normalized):
 
 def reference_codes(codec, normalized):
     if isinstance(codec, codecs.ZeroFreeCodec):
-        # Its own first edge (3/4 of the smallest value), the inner codec's other edges.
-        zero_free = torch.where(normalized < 0.75 * float(codec.table[1]), 0.0, normalized)
+        # Its own first edge (3/4 of the smallest value, or the inner codec's 1/2 where it keeps
+        # the edges), the inner codec's other edges; negative values (no second moment is) to 0.
+        first_edge = (0.5 if codec.keeps_edges else 0.75) * float(codec.table[1])
+        zero_free = torch.where(normalized < first_edge, 0.0, normalized)
         return reference_codes(codec.inner, zero_free)
     if isinstance(codec, codecs.Float8Codec):
         return (normalized * 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -197,12 +210,28 @@ def test_float8_bit_arithmetic_is_torchs_cast():
 
 
 def test_zero_free_codecs_never_decode_zero():
-    for fmt in (DYNAMIC_8BIT_UNSIGNED_NONZERO, FLOAT8_NONZERO):
+    for fmt in (DYNAMIC_8BIT_UNSIGNED_NONZERO, DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT, FLOAT8_NONZERO):
         assert (fmt.table != 0).all(), fmt.name
         normalized = torch.linspace(0, 1, 100_001)
         assert (fmt.codec.decode(fmt.codec.encode(normalized)) > 0).all(), fmt.name
     with pytest.raises(ValueError, match="code 0 is 0"):
         codecs.ZeroFreeCodec(codecs.SIGNED_8BIT_CODEC)
+
+
+def test_edges_kept_map_stores_the_plain_maps_codes_and_reads_code_0_as_half_the_smallest():
+    """The benchmark's ``lowbit_8bit_edges_kept`` ablation: bitsandbytes' codes bit for bit
+    (first bin edge t1 / 2, where the zero-free map moves it to 3 t1 / 4); only code 0 reads
+    differently, t1 / 2 of the scale instead of 0."""
+    plain, kept = DYNAMIC_8BIT_UNSIGNED, DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT
+    smallest = float(plain.table[1])
+    values = torch.cat([floats_near(torch.tensor([smallest / 2, 0.75 * smallest, smallest]), 3000),
+                        torch.rand(100_000) ** 8, torch.tensor([0.0, 1e-45, 1.0])])
+    assert torch.equal(kept.codec.encode(values), plain.codec.encode(values))
+    assert float(kept.table[0]) == smallest / 2 and torch.equal(kept.table[1:], plain.table[1:])
+    moved = DYNAMIC_8BIT_UNSIGNED_NONZERO.codec.encode(values) != plain.codec.encode(values)
+    assert moved.any() and bool(((values[moved] >= smallest / 2) & (values[moved] < 0.75 * smallest)).all())
+    with pytest.raises(ValueError, match=r"zero_reads must lie in \(0, 1\).*got 0"):
+        codecs.ZeroFreeCodec(codecs.UNSIGNED_8BIT_CODEC, zero_reads=0)
 
 
 def test_linear_encoder_is_exact_arithmetic():

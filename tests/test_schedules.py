@@ -3,11 +3,10 @@
 import pytest
 import torch
 from helpers import SCHEDULE_STEPS as STEPS
-from helpers import SCHEDULES
+from helpers import SCHEDULES, graph_count
 from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
-from lowbit_optim.step import factored, quantized
 
 
 def make_model():
@@ -21,15 +20,6 @@ def train_step(model, optimizer):
     loss.backward()
     optimizer.step()
     return loss
-
-
-def graph_count(optimizer):
-    """Graphs of the optimizer's compiled steps (the factored class has two more functions:
-    its statistics and its update)."""
-    count = quantized.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
-    if isinstance(optimizer, AdamWFactored4bit):
-        count += factored.compiled_graph_count(optimizer.exp_avg_format)
-    return count
 
 
 

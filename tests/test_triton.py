@@ -42,7 +42,7 @@ from kernel_helpers import (  # noqa: E402
 )
 
 from lowbit_optim.step import kernels  # noqa: E402
-from lowbit_optim.step.kernels import adamw_lowbit  # noqa: E402
+from lowbit_optim.step.kernels import adamw_lowbit, tables  # noqa: E402
 
 # NaN gradients (the non-finite policy) flow into the interpreter's numpy division before the
 # kernel's selects put the old values back.
@@ -56,6 +56,23 @@ def test_matches_reference(kind, shape, dtype):
     numel = torch.Size(shape).numel()
     param, states = make_case(numel, kind, dtype)
     run_against_reference([(param.view(shape), None, states)])
+
+
+@pytest.mark.parametrize("name", ["dynamic8-unsigned", "dynamic8-unsigned-nonzero",
+                                  "dynamic8-unsigned-nonzero-edges-kept"])
+def test_kernel_edges_give_the_codecs_codes_at_the_first_edges(name):
+    """The kernel's table encoder counts the edges a value exceeds (a binary search over
+    ``tables.encoder_edges``). Near the smallest codes, where the zero-free maps move the first
+    edge (to 3/4 of the smallest value, or keep the plain map's 1/2), that count is the codec's
+    code for every float32 other than an edge itself (a tie, which the kernel tests tolerate).
+    The kernel tests' tolerance (2**-22 absolute) is wider than these bins, so this checks them."""
+    fmt = get_format(name)
+    edges = tables.encoder_edges(fmt)
+    anchors = torch.cat([edges[:4], fmt.table[:4]]).view(torch.int32)
+    values = (anchors[:, None] + torch.arange(-3000, 3001, dtype=torch.int32)).reshape(-1).view(torch.float32)
+    values = values[~torch.isin(values, edges)]
+    counted = (values[:, None] > edges[None, :]).sum(dim=1)
+    assert torch.equal(counted, fmt.codec.encode(values).long())
 
 
 @pytest.mark.usefixtures("interpreter")
@@ -532,3 +549,34 @@ def test_optimizer_stochastic_rounding_resumes_exactly_without_rng_state(monkeyp
     monkeypatch.setattr(sharding, "rank", lambda: 1)
     other_rank, _ = run(grads)
     assert not torch.equal(other_rank, uninterrupted)
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_gradient_release_through_the_kernel_matches_ordinary_stepping():
+    """``release_gradients`` launches the kernel once per parameter in backward instead of
+    once per kind at ``step()``: the same parameters and codes (no stochastic rounding,
+    whose noise depends on the position in the launch: docs/gradient_release.md)."""
+    from lowbit_optim import release_gradients
+
+    runs = []
+    for release in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 70))
+        optimizer = AdamW4bit(model.parameters(), lr=1e-2, min_quant_size=1024, backend="triton")
+        if release:
+            release_gradients(optimizer)
+        for step in range(2):
+            inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+            model(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((list(model.parameters()), optimizer))
+    (params, ordinary), (released_params, released) = runs
+    assert all(map(torch.equal, params, released_params))
+    for param, other in zip(params, released_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment, other_moment = ordinary.state[param][key], released.state[other][key]
+            if isinstance(moment, QuantizedState):
+                moment, other_moment = (torch.cat([m.codes.flatten().float(), m.scales.flatten()])
+                                        for m in (moment, other_moment))
+            assert torch.equal(moment, other_moment), key

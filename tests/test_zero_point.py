@@ -23,9 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
+from lowbit_optim.bench import harness
 from lowbit_optim.formats.catalog import FLOAT8
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8, AdamWFactored4bit]
+# The main benchmark's zero-free ablation of AdamW8bit (the plain map's edges, code 0 read as
+# half the smallest value) must be as safe as the default to be a candidate for it.
+EDGES_KEPT_8BIT = harness.OPTIMIZERS["lowbit_8bit_edges_kept"].build
 BETAS = (0.9, 0.999)
 QUANTIZATION_ALLOWANCE = 4.0
 
@@ -50,7 +54,7 @@ def repro_move(make) -> float:
     return param[1].item()
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*OPTIMIZERS, EDGES_KEPT_8BIT], ids=lambda c: c.__name__)
 def test_zero_point_repro_moves_at_most_ten_times_torch(cls):
     """The old 8-bit second moment decoded the small element's v to 0 and moved it by -4.20
     (torch: -0.00167)."""
@@ -76,6 +80,18 @@ def test_float8_second_moment_with_a_zero_code_has_the_hazard():
     assert abs(repro_move(lambda ps: AdamWFp8(ps, lr=1e-3))) < abs(expected)
 
 
+def test_8bit_second_moment_with_a_zero_code_has_the_hazard():
+    """The benchmark's ``lowbit_8bit_zero_map`` ablation (bitsandbytes' plain unsigned map,
+    code 0 = 0) still decodes the repro's small v to 0 (the element jumped by -4.20 before the
+    step clamped at Adam's own bound): it now moves by more than torch, up to that bound, where
+    the zero-free map moves by less."""
+    plain = harness.OPTIMIZERS["lowbit_8bit_zero_map"].build
+    expected = repro_move(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    moved = repro_move(lambda ps: plain(ps, lr=1e-3))
+    assert 1.1 * abs(expected) < abs(moved) <= 1e-3 * (adam_bound(1) + adam_bound(2)) * (1 + 1e-6)
+    assert abs(repro_move(lambda ps: AdamW8bit(ps, lr=1e-3))) < abs(expected)
+
+
 MAGNITUDES = st.sampled_from([0.0, 1e-30, 1e-12, 1e-8, 1e-4, 1e-2, 1.0, 1e4, 1e12])
 
 
@@ -95,7 +111,7 @@ def gradient_sequences(draw):
     return sequence
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*OPTIMIZERS, EDGES_KEPT_8BIT], ids=lambda c: c.__name__)
 @settings(max_examples=40, deadline=None)
 @given(sequence=gradient_sequences())
 def test_no_update_exceeds_adams_bound(cls, sequence):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch._dynamo.utils import counters
 
+from lowbit_optim.formats.catalog import DYNAMIC_8BIT_UNSIGNED, DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT
 from lowbit_optim.optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 
 
@@ -47,6 +48,20 @@ def _bnb_8bit(params, **hyper):
     return bitsandbytes.optim.AdamW8bit(params, **hyper)
 
 
+class _ZeroMapAdamW8bit(AdamW8bit):
+    """Ablation: AdamW8bit with bitsandbytes' plain unsigned second-moment map, whose code 0
+    is 0 (the zero-point hazard that ``AdamW8bit``'s zero-free map removes)."""
+
+    exp_avg_sq_format = DYNAMIC_8BIT_UNSIGNED
+
+
+class _EdgesKeptAdamW8bit(AdamW8bit):
+    """Ablation: the plain map's bin edges and codes, code 0 read as half the smallest
+    positive value instead of 0 (``AdamW8bit`` also moves the first edge to 3/4 of it)."""
+
+    exp_avg_sq_format = DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT
+
+
 OPTIMIZERS = {
     spec.name: spec
     for spec in (
@@ -55,6 +70,10 @@ OPTIMIZERS = {
         OptimizerSpec("torch_adamw_foreach", "torch AdamW foreach (fp32)", None,
                       lambda params, **hyper: torch.optim.AdamW(params, foreach=True, **hyper)),
         OptimizerSpec("lowbit_8bit", "lowbit_optim AdamW8bit", None, AdamW8bit),
+        OptimizerSpec("lowbit_8bit_zero_map", "AdamW8bit, v map with a zero code (ablation)", None,
+                      _ZeroMapAdamW8bit),
+        OptimizerSpec("lowbit_8bit_edges_kept", "AdamW8bit, v map edges kept (ablation)", None,
+                      _EdgesKeptAdamW8bit),
         OptimizerSpec("lowbit_4bit", "lowbit_optim AdamW4bit", None, AdamW4bit),
         OptimizerSpec("lowbit_fp8", "lowbit_optim AdamWFp8", None, AdamWFp8),
         OptimizerSpec("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit", None, AdamWFactored4bit),

@@ -133,6 +133,13 @@ DYNAMIC_8BIT_UNSIGNED_NONZERO = QuantFormat(
     "dynamic8-unsigned-nonzero", 8, codecs.UNSIGNED_8BIT_NONZERO_CODEC, 256,
     reads_codes_of=(DYNAMIC_8BIT_UNSIGNED.name,),
 )
+# An ablation the main benchmark measures (``lowbit_8bit_edges_kept``): the plain map's codes
+# bit for bit (first bin edge t1 / 2), code 0 read as t1 / 2 instead of 0.
+DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT = QuantFormat(
+    "dynamic8-unsigned-nonzero-edges-kept", 8,
+    codecs.ZeroFreeCodec(codecs.UNSIGNED_8BIT_CODEC, keep_edges=True), 256,
+    reads_codes_of=(DYNAMIC_8BIT_UNSIGNED.name,),
+)
 DYNAMIC_4BIT_SIGNED = QuantFormat("dynamic4-signed", 4, codecs.SIGNED_4BIT_CODEC, 128)
 LINEAR_4BIT_NONZERO = QuantFormat("linear4-nonzero", 4, codecs.LINEAR_4BIT_CODEC, 128)
 # torchao's AdamWFp8 layout (e4m3fn codes, blocks of 256: ~2.03 bytes/param for both moments).
@@ -147,6 +154,7 @@ FLOAT8_NONZERO = QuantFormat(
 FORMATS = {
     fmt.name: fmt
     for fmt in (DYNAMIC_8BIT_SIGNED, DYNAMIC_8BIT_UNSIGNED, DYNAMIC_8BIT_UNSIGNED_NONZERO,
+                DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT,
                 DYNAMIC_4BIT_SIGNED, LINEAR_4BIT_NONZERO, FLOAT8, FLOAT8_NONZERO)
 }
 

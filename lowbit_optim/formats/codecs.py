@@ -256,16 +256,28 @@ class ZeroFreeCodec:
     the inner codec's; decoding is the same one gather from this table. Codes of the inner
     codec's format read as this one's (``QuantFormat.reads_codes_of``): only the zeros'
     meaning changes.
+
+    ``zero_reads`` sets code 0's value as a fraction of ``t1`` (default 1/2); ``keep_edges``
+    keeps the inner codec's first edge, ``t1 / 2``, so that every non-negative value keeps the
+    inner codec's code bit for bit and only what code 0 reads changes (the main benchmark's
+    ``lowbit_8bit_edges_kept`` ablation).
     """
 
-    def __init__(self, inner):
+    def __init__(self, inner, *, zero_reads: float = 0.5, keep_edges: bool = False):
         smallest = float(inner.table[inner.table > 0].min())
         if float(inner.table[0]) != 0 or float(inner.table[1]) != smallest:
             raise ValueError("ZeroFreeCodec needs a codec whose code 0 is 0 and code 1 its smallest "
                              "positive value")
+        if not 0 < zero_reads < 1:
+            raise ValueError(f"zero_reads must lie in (0, 1) (a fraction of the smallest positive "
+                             f"value), got {zero_reads!r}")
         self.inner = inner
-        self.table = torch.where(inner.table == 0, smallest / 2, inner.table)
-        self.first_edge = (smallest / 2 + smallest) / 2
+        self.keeps_edges = keep_edges
+        self.table = torch.where(inner.table == 0, smallest * zero_reads, inner.table)
+        # Nearest to this table, or (keep_edges) the inner codec's own first edge, t1 / 2:
+        # then a non-negative value keeps the inner codec's code and only code 0's value changes.
+        low = 0.0 if keep_edges else smallest * zero_reads
+        self.first_edge = (low + smallest) / 2
 
     def encode(self, normalized: torch.Tensor) -> torch.Tensor:
         return self.inner.encode(torch.where(normalized < self.first_edge, 0.0, normalized))

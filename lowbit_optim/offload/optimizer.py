@@ -36,6 +36,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim.offload.gradient import HostGradient
+from lowbit_optim.offload.release import OffloadedSteps
 from lowbit_optim.offload.transfers import Transfers
 from lowbit_optim.optim.adamw import AdamW8bit
 
@@ -79,6 +80,8 @@ class CPUOffloadOptimizer(Optimizer):
     optimizer's, numbered like the parameters given here, frozen ones included: it loads into
     the same optimizer without offload and back.
     """
+
+    _gradient_release = None  # the active optim.release.GradientRelease, if any
 
     def __init__(self, params, optimizer_class=AdamW8bit, *, offload_gradients=False, **kwargs):
         if "minimal_size" in kwargs:
@@ -132,6 +135,10 @@ class CPUOffloadOptimizer(Optimizer):
     @property
     def defaults(self) -> dict:
         return self.host_optimizer.defaults
+
+    def _gradient_release_steps(self) -> OffloadedSteps:
+        """How ``release_gradients`` steps this optimizer's parameters one at a time."""
+        return OffloadedSteps(self)
 
     def host_param(self, param: torch.Tensor) -> torch.Tensor:
         """The host copy that the host optimizer steps (and keys its state by)."""
@@ -331,6 +338,9 @@ class CPUOffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.transfers is None:  # every parameter frozen
+            return loss
+        if self._gradient_release is not None:  # backward stepped them (optim.release)
+            self._gradient_release.end_step()
             return loss
         self.transfers.wait_uploads()
         for item in self._offloaded.values():

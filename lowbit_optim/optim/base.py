@@ -49,6 +49,9 @@ class LowBitAdamW(Optimizer):
     # AdamW's decoupled weight decay; the Adam classes add it to the gradient (L2) instead.
     # Every group records it (as torch.optim.Adam's groups do), so state dicts say which.
     decoupled_weight_decay = True
+    # The active ``optim.release.GradientRelease``, if any: backward steps the parameters
+    # then, and ``step()`` only ends the step.
+    _gradient_release = None
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -305,7 +308,10 @@ class LowBitAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step()
+        if self._gradient_release is not None:
+            self._gradient_release.end_step()
+        else:
+            self._step()
         return loss
 
     # Under the user's own torch.compile (the compiled-optimizer tutorial wraps opt.step()

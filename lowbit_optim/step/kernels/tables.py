@@ -43,7 +43,10 @@ def encoder_edges(fmt: QuantFormat) -> torch.Tensor:
         floor = fmt.codec.first_edge if isinstance(fmt.codec, codecs.ZeroFreeCodec) else float("-inf")
         return torch.tensor([floor], dtype=torch.float32)
     table = fmt.table.float()
-    return torch.cat([(table[1:] + table[:-1]) / 2, torch.tensor([float("inf")])])
+    edges = (table[1:] + table[:-1]) / 2
+    if isinstance(fmt.codec, codecs.ZeroFreeCodec):
+        edges[0] = fmt.codec.first_edge  # it need not be the midpoint (``keep_edges``)
+    return torch.cat([edges, torch.tensor([float("inf")])])
 
 
 _DEVICE_TABLES: dict = {}

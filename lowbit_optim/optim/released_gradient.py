@@ -1,0 +1,55 @@
+"""``ReleasedGradient``: what ``param.grad`` holds once gradient release has stepped the
+parameter during backward and freed its gradient (``optim.release``).
+
+A ``GradientPlaceholder`` (no storage) on which every operation raises, naming the reason:
+clipping by global norm, ``GradScaler.unscale_`` and gradient-norm logging would otherwise
+see no gradient and be silently wrong, and accumulating into it (a second backward before
+``optimizer.step()``: gradient accumulation over micro-batches) is stopped at its first
+gradient, before anything changes. Zeroing is the one operation allowed
+(``zero_grad(set_to_none=False)`` zeroes gradients in place): there is nothing left to zero.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lowbit_optim.state.placeholder import GradientPlaceholder
+
+aten = torch.ops.aten
+
+
+class ReleasedGradient(GradientPlaceholder):
+    """A freed gradient's stand-in; every operation but zeroing raises."""
+
+    handlers = {
+        aten.zero_.default: lambda grad: grad,
+        aten._foreach_zero_.default: lambda grads: None,
+    }
+
+    def __repr__(self):
+        return f"ReleasedGradient(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def refusal(cls) -> str:
+        return (
+            "a released gradient: lowbit_optim.release_gradients stepped this parameter during "
+            "backward and freed its gradient. Anything that needs the gradient after backward "
+            "cannot work with release: clipping by global norm (clip_grad_norm_), GradScaler, "
+            "reading or logging gradients, and gradient accumulation over micro-batches (a "
+            "second backward before optimizer.step(); each backward is one optimizer step). "
+            "Call optimizer.step() after every backward (it steps nothing, it ends the step), "
+            "or remove the release handle to train as usual (docs/gradient_release.md)")
+
+
+def released_gradient(param: torch.Tensor) -> torch.Tensor:
+    """The placeholder to assign as ``param.grad``: a ``DTensor`` laid out like an FSDP2
+    parameter (FSDP2 accumulates into ``grad._local_tensor``, which then raises)."""
+    if isinstance(param, DTensor):
+        return DTensor(ReleasedGradient(param.to_local()), param._spec, requires_grad=False)
+    return ReleasedGradient(param)
+
+
+def is_released(grad) -> bool:
+    """Whether ``grad`` is a placeholder (or an FSDP2 ``DTensor`` of one)."""
+    if isinstance(grad, DTensor):
+        grad = grad._local_tensor
+    return type(grad) is ReleasedGradient
