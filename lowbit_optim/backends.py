@@ -20,12 +20,13 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
+from lowbit_optim import cpu_kernel
 from lowbit_optim.factored import FactoredParams
 from lowbit_optim.factored_state import FactoredState
 from lowbit_optim.functional import FloatStateStep, StepScalars, StoredMoment, quantized_adamw_step
 from lowbit_optim.state import QuantizedState
 
-BACKENDS = ("compile", "eager", "triton")
+BACKENDS = ("compile", "eager", "triton", "cpu")
 
 # The most elements one call of the compiled (or eager) step updates. Its generated code keeps
 # buffers of its input's size between passes (~23 bytes per element for 4-bit before issue 14;
@@ -48,17 +49,27 @@ def _triton_interpreter_on() -> bool:
 
 def resolve_backend(backend: str | None, devices=()) -> str:
     """``None`` picks the fastest backend available for the parameters' ``devices``:
-    ``"triton"`` when they are all CUDA and Triton is installed, else ``"compile"``.
+    ``"triton"`` when they are all CUDA and Triton is installed, ``"cpu"`` (the C++ kernel,
+    ``lowbit_optim.cpu_kernel``) when they are all on the CPU and the kernel builds, else
+    ``"compile"``.
 
     ``"triton"`` on CPU tensors runs only under the Triton interpreter (tests): without
     ``TRITON_INTERPRET=1`` a CPU launch fails with "0 active drivers", so it is refused here.
+    ``"cpu"`` where the kernel cannot be built falls back to ``"compile"`` (``cpu_kernel.load``
+    has warned once).
     """
     devices = {torch.device(d).type for d in devices}
     has_triton = importlib.util.find_spec("triton") is not None
     if backend is None:
-        return "triton" if devices == {"cuda"} and has_triton else "compile"
+        if devices == {"cuda"} and has_triton:
+            return "triton"
+        return "cpu" if devices == {"cpu"} and cpu_kernel.load() else "compile"
     if backend not in BACKENDS:
         raise ValueError(f"Invalid backend: {backend!r} (choose one of {BACKENDS} or None)")
+    if backend == "cpu":
+        if devices - {"cpu"}:
+            raise ValueError(f"backend='cpu' needs CPU parameters (got {sorted(devices)})")
+        return "cpu" if cpu_kernel.load() else "compile"
     if backend == "triton":
         if not has_triton:
             raise ValueError("backend='triton' needs Triton: pip install triton")
@@ -119,6 +130,7 @@ class AdamWPlan:
         params = params or [entry.param for entry in entries]
         triton_entries, float_state, factored = [], {}, []
         self.quantized: list[tuple[int, ParamStep]] = []  # stepped one by one
+        self.cpu_kernel: list[tuple[int, ParamStep]] = []  # by the C++ kernel, one by one
         for index, entry in enumerate(entries):
             if not isinstance(entry.exp_avg, QuantizedState):
                 # Small ones share one flat step per (device, dtype, step count, amsgrad); a big
@@ -133,6 +145,9 @@ class AdamWPlan:
                 factored.append(index)
             elif backend == "triton" and entry.param.dtype != torch.float64:
                 triton_entries.append(index)
+            elif backend == "cpu" and cpu_kernel.supports(entry.exp_avg.format, entry.exp_avg_sq.format,
+                                                          entry.exp_avg.block_size, entry.param, entry.grad):
+                self.cpu_kernel.append((index, entry._replace(grad=None)))
             else:
                 self.quantized.append((index, entry._replace(grad=None)))
         self.float_state = []
@@ -145,12 +160,23 @@ class AdamWPlan:
         # The Triton kernel has no factored variant: these go through the compiled step.
         self.factored = FactoredParams([(i, entries[i]._replace(grad=None)) for i in factored],
                                        [params[i] for i in factored]) if factored else None
+        self.isa = cpu_kernel.default_isa() if self.cpu_kernel else None
         self.triton_indices = triton_entries
         self.triton = None
         if triton_entries:
             from lowbit_optim import kernels  # imports Triton: only when the backend is in use
 
             self.triton = kernels.StepGroupPlan([entries[i] for i in triton_entries])
+
+    def _compiled_step(self, entry, grad, scalars, scratch, maximize, stochastic_round,
+                       decoupled_weight_decay):
+        """A quantized parameter through ``quantized_adamw_step`` (compiled unless the backend
+        is ``"eager"``)."""
+        run_quantized_step(
+            "eager" if self.backend == "eager" else "compile", entry._replace(grad=grad), scalars, scratch,
+            maximize=maximize, stochastic_round=stochastic_round,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
 
     def run(self, grads: list[torch.Tensor], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
             eps: torch.Tensor, weight_decay: torch.Tensor, maximize: bool, stochastic_round: bool,
@@ -164,13 +190,22 @@ class AdamWPlan:
                 maximize=maximize, stochastic_round=stochastic_round,
                 decoupled_weight_decay=decoupled_weight_decay,
             )
-        for index, entry in self.quantized:
-            run_quantized_step(
-                "compile" if self.backend == "triton" else self.backend, entry._replace(grad=grads[index]),
-                StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
+        for index, entry in self.cpu_kernel:
+            grad = grads[index]
+            if grad.dtype != entry.param.dtype:  # planned with a gradient of the parameter's dtype
+                self._compiled_step(entry, grad, StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step),
+                                    scratch, maximize, stochastic_round, decoupled_weight_decay)
+                continue
+            cpu_kernel.cpu_adamw_step(
+                entry.param, grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq,
+                StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step),
                 maximize=maximize, stochastic_round=stochastic_round,
-                decoupled_weight_decay=decoupled_weight_decay,
+                decoupled_weight_decay=decoupled_weight_decay, isa=self.isa,
             )
+        for index, entry in self.quantized:
+            self._compiled_step(entry, grads[index],
+                                StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step),
+                                scratch, maximize, stochastic_round, decoupled_weight_decay)
         for indices, step, float_state in self.float_state:
             float_state.step(
                 [grads[i] for i in indices], lr=lr, beta1=beta1, beta2=beta2, eps=eps,

@@ -120,7 +120,8 @@ def encoder_constants(codec) -> list[float]:
         shifts[:decades] = [_f32(s) for s in codec._shifts]
         counts[:decades] = [float(c) for c in codec._counts]
         lowers[:decades] = [_f32(m) for m in codec._lower_midpoints]
-        upper, max_rank, zero_code = _f32(codec._upper_midpoint), float(codec._max_rank), float(codec._zero_code)
+        upper = _f32(codec._upper_midpoint)
+        max_rank, zero_code = float(codec._max_rank), float(codec._zero_code)
     else:
         raise ValueError(f"the CPU kernel has no encoder for {type(codec).__name__}")
     values = [float(encoder), zero_free, first_edge, *midpoints, *starts, *shifts, *counts, *lowers,
@@ -132,8 +133,8 @@ def encoder_constants(codec) -> list[float]:
 @functools.cache
 def format_pair_constants(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat):
     """``(kind, exp_avg table, exp_avg_sq table, encoders)`` for a state kind, made once."""
-    encoders = torch.tensor([encoder_constants(exp_avg_format.codec), encoder_constants(exp_avg_sq_format.codec)],
-                            dtype=torch.float32)
+    encoders = [encoder_constants(fmt.codec) for fmt in (exp_avg_format, exp_avg_sq_format)]
+    encoders = torch.tensor(encoders, dtype=torch.float32)
     tables = [fmt.table.to(torch.float32).contiguous() for fmt in (exp_avg_format, exp_avg_sq_format)]
     return _KIND[exp_avg_format.bits], tables[0], tables[1], encoders
 
@@ -145,6 +146,8 @@ def supports(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_
     width with encoders the kernel has, blocks of at most ``MAX_BLOCK_SIZE``. float64
     parameters (updated in float64 by the reference) go to the compiled step."""
     if param.device.type != "cpu" or grad.device.type != "cpu" or grad.dtype != param.dtype:
+        return False
+    if not load():
         return False
     if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
@@ -160,7 +163,8 @@ def supports(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_
 
 
 def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
-                   stochastic_round: bool, decoupled_weight_decay: bool = True, isa: str | None = None) -> None:
+                   stochastic_round: bool, decoupled_weight_decay: bool = True,
+                   isa: str | None = None) -> None:
     """One parameter's step with the kernel, in place: ``quantized_adamw_step``'s result.
 
     ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
