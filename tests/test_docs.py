@@ -12,7 +12,7 @@ import sys
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-COMPLETE_PAGES = ("usage.md", "triton.md")
+COMPLETE_PAGES = ("usage.md", "triton.md", "cpu_kernel.md")
 
 
 def examples():
