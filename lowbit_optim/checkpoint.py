@@ -16,6 +16,7 @@ loading and ``PreparedLoad.finish`` after it. That wrapper exists for three reas
 ``to_torch_adamw`` goes the other way. See ``docs/checkpoints.md``.
 """
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from lowbit_optim.distributed import factored_from_float, is_dtensor, local, qua
 from lowbit_optim.factored_state import FactoredState, factor_shape
 from lowbit_optim.functional import compute_dtype
 from lowbit_optim.state import MOMENT_KEYS, QuantizedState
+from lowbit_optim.torchao_checkpoint import quantized_from_torchao
 
 # Group options only this package has; a state dict without them was saved by another optimizer.
 LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round")
@@ -242,6 +244,11 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
         # Mapped again: the converted groups now carry this optimizer's block sizes.
         slots = _slots(optimizer, state_dict)
     state_dict = _with_current_group_options(optimizer, state_dict)
+    # The optimizer keeps a copy: its step updates moments in place and replaces ``step``, so
+    # state shared with the caller's dict would leave that dict half trained, an
+    # inconsistent checkpoint. One copy of the state, at load time only; made after the
+    # conversions, which leave no foreign (torchao) tensor that could not be copied.
+    state_dict = {**state_dict, "state": copy.deepcopy(dict(state_dict["state"]))}
     validate_state_dict(optimizer, state_dict, slots)
     state, held = {}, {}
     for saved_id, entry in state_dict["state"].items():
@@ -261,9 +268,11 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
 
     Also takes a state dict of torchao's ``AdamW8bit``/``AdamW4bit``/``AdamWFp8``/``Adam8bit``/
     ``Adam4bit``/``AdamFp8``:
-    their quantized moments are read as float values (``foreign_float_values``) and quantized
-    in our formats. Options the saving optimizer did not have (torchao's groups have no
-    ``maximize``) are filled in from this optimizer's groups by ``prepare_load``.
+    their quantized moments keep their codes and scales where our format has their map and
+    layout (``foreign_moment``, ``_carried_moment``; see docs/checkpoints.md), and are read as
+    float values and quantized in our formats otherwise. Options the saving optimizer did
+    not have (torchao's groups have no ``maximize``) are filled in from this optimizer's
+    groups by ``prepare_load``.
     Hyperparameters (lr, betas, eps, weight decay, amsgrad, maximize) come from
     ``state_dict``; ``block_size``, ``min_quant_size`` and ``bf16_stochastic_round`` from the
     optimizer's current groups. Moments of parameters with at least ``min_quant_size``
@@ -299,14 +308,18 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
             value = entry.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
-            value = converted[key] = foreign_float_values(value)
+            value = foreign_moment(value)
             if not optimizer.is_quantized(slot.param, group):
+                converted[key] = _float_values(value)
                 continue
             if value.shape != slot.param.shape:
                 raise ValueError(
                     f"{slot.label}: {key} has shape {tuple(value.shape)}, not the parameter's"
                 )
-            converted[key] = _stored_moment(optimizer, slot.param, group, key, value)
+            carried = _carried_moment(optimizer, slot.param, group, key, value)
+            if carried is None:
+                carried = _stored_moment(optimizer, slot.param, group, key, _float_values(value))
+            converted[key] = carried
         state[saved_id] = converted
     return {**state_dict, "state": state, "param_groups": groups}
 
@@ -320,19 +333,41 @@ def _stored_moment(optimizer, param, group: dict, key: str, values: torch.Tensor
     return quantized_from_float(values, optimizer.moment_format(key), group["block_size"], param.dtype)
 
 
-def foreign_float_values(value: torch.Tensor) -> torch.Tensor:
-    """A moment stored by another library's quantized state as its float32 values; any other
-    tensor as it is.
+def foreign_moment(value: torch.Tensor) -> torch.Tensor:
+    """A moment stored by another library's quantized state in our terms; any other tensor as
+    it is.
 
-    torchao's ``OptimState8bit``/``OptimState4bit``/``OptimStateFp8`` (tested) are tensor subclasses
-    with their own ``dequantize()``; their other ops (``reshape`` of a 4-bit state raised
-    ``NotImplementedError ... aten.constant_pad_nd``) cannot be relied on, so their values are
-    read once here and quantized again in our format: one rounding, like any format change.
+    torchao's ``OptimState8bit``/``OptimState4bit``/``OptimStateFp8`` (tested) become a
+    ``QuantizedState`` with their codes and scales (``torchao_checkpoint.quantized_from_torchao``:
+    their maps are ours). Another tensor subclass with its own ``dequantize()`` becomes its
+    float32 values; such subclasses' other ops (``reshape`` of a torchao 4-bit state raised
+    ``NotImplementedError ... aten.constant_pad_nd``) cannot be relied on.
     """
+    carried = quantized_from_torchao(value)
+    if carried is not None:
+        return carried
     own_dequantize = getattr(type(value), "dequantize", torch.Tensor.dequantize)
     if isinstance(value, STORED_MOMENTS) or own_dequantize is torch.Tensor.dequantize:
         return value
     return value.dequantize().float()
+
+
+def _float_values(value: torch.Tensor) -> torch.Tensor:
+    return value.dequantize(torch.float32) if isinstance(value, STORED_MOMENTS) else value
+
+
+def _carried_moment(optimizer, param, group: dict, key: str, value):
+    """``value``, a ``QuantizedState`` from another optimizer, as ``optimizer`` keeps moment
+    ``key`` of ``param`` without touching its codes: where its format is ours (or one ours
+    reads as its own, ``QuantFormat.reads_codes_of``) in ``group``'s block size. ``None``
+    otherwise: the moment is then quantized again from its values."""
+    fmt = optimizer.moment_format(key)
+    if (not isinstance(value, QuantizedState) or is_dtensor(param)
+            or optimizer.is_factored(param, group, key)
+            or value.format_name not in (fmt.name, *fmt.reads_codes_of)
+            or value.block_size != group["block_size"]):
+        return None
+    return QuantizedState(value.codes, value.scales, fmt.name, param.shape, param.dtype)
 
 
 def to_torch_adamw(state_dict) -> dict:

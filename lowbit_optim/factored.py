@@ -33,6 +33,7 @@ import torch.fx.experimental._config as fx_config
 from lowbit_optim import distributed
 from lowbit_optim.factored_state import factor_shape, normalized_columns
 from lowbit_optim.functional import (
+    adam_ratio_bound,
     bias_corrections,
     compute_dtype,
     effective_gradient,
@@ -44,33 +45,31 @@ from lowbit_optim.functional import (
 from lowbit_optim.quant.formats import QuantFormat
 
 
-def adam_ratio_bound(beta1, beta2, step):
-    """Adam's bound on ``|exp_avg / denom|`` in ``parameter_update`` at ``step``.
-
-    Cauchy-Schwarz on ``m_t = (1 - b1) sum_k b1**k g_{t-k}`` and ``v_t = (1 - b2) sum_k
-    b2**k g_{t-k}**2`` gives ``|m_t| <= (1 - b1) sqrt(sum_{k<t} (b1**2 / b2)**k)
-    sqrt(v_t / (1 - b2))``; ``exp_avg / denom`` is ``m_t / (sqrt(v_t) / sqrt(1 - b2**t))``
-    at most. Infinite for ``beta2 = 0`` (then ``v`` holds only the last gradient).
-    """
-    gamma = beta1**2 / beta2
-    geometric = torch.where(gamma == 1, step.to(gamma.dtype), (1 - gamma**step) / (1 - gamma))
-    bound = (1 - beta1) * (geometric / (1 - beta2)).sqrt() * (1 - beta2**step).sqrt()
-    # masked_fill, not where with a Python number: no tensor is made from the number.
-    return bound.masked_fill(beta2 <= 0, torch.inf)
-
-
 def second_moment_means(param_rows, grad_rows, beta2, weight_decay, columns, all_rows, *,
                         maximize: bool, decoupled_weight_decay: bool):
     """For a ``(k, columns)`` chunk of a matrix of ``all_rows`` rows (both 0-d int64): the
     float32 means of ``(1 - beta2) * g**2`` over each row ``(k,)``, and each column's sum
     over these rows divided by ``all_rows`` ``(columns,)``: the chunk's share of the column
     means."""
-    dtype = compute_dtype(param_rows)
+    # float64 whatever the parameter dtype: the terms of a gradient above ~1.8e19 overflow
+    # float32 (module docstring); the means saturate when stored (``accumulate_statistic``).
+    dtype = torch.float64
     _, safe_grad = effective_gradient(param_rows.to(dtype), grad_rows.to(dtype),
                                       weight_decay=weight_decay, maximize=maximize,
                                       decoupled_weight_decay=decoupled_weight_decay)
     term = squared_gradient_term(safe_grad, beta2)
-    return (term / columns).sum(dim=1).to(torch.float32), (term / all_rows).sum(dim=0).to(torch.float32)
+    return saturate_float32((term / columns).sum(dim=1)), saturate_float32((term / all_rows).sum(dim=0))
+
+
+def saturate_float32(values: torch.Tensor) -> torch.Tensor:
+    """Non-negative ``values`` as float32, those above the largest float32 (inf too) at it."""
+    return values.clamp(max=torch.finfo(torch.float32).max).to(torch.float32)
+
+
+def accumulate_statistic(statistic: torch.Tensor, beta2, mean: torch.Tensor) -> None:
+    """``statistic = beta2 * statistic + mean`` in place, saturated at the largest float32
+    (two saturated values would add to inf)."""
+    statistic.mul_(beta2).add_(mean).clamp_(max=torch.finfo(torch.float32).max)
 
 
 def factored_adamw_step(param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized,
@@ -198,7 +197,7 @@ class FactoredParams:
         step_scalars = {}
         for position, (index, entry) in enumerate(self.entries):
             factored = entry.exp_avg_sq
-            factored.col.mul_(hyper.beta2).add_(self.column_means[position])
+            accumulate_statistic(factored.col, hyper.beta2, self.column_means[position])
             normalized_columns(factored.col, out=self.normalized_columns[position])
             count = float(entry.step)
             if count not in step_scalars:
@@ -232,8 +231,8 @@ class FactoredParams:
             row_means, column_shares = _call(statistics_step, compiled, {0: (0, 1), 1: (0, 1)},
                                              param_matrix[chunk], grad_matrix[chunk], beta2, weight_decay,
                                              columns_scalar, all_rows_scalar, **flags)
-            factored.row[chunk].mul_(beta2).add_(row_means)
-            column_means.add_(column_shares)
+            accumulate_statistic(factored.row[chunk], beta2, row_means)
+            column_means.add_(column_shares).clamp_(max=torch.finfo(torch.float32).max)
 
     @staticmethod
     def _update(backend, entry, hyper, step_scalars, col_normalized, scratch, *, stochastic_round,

@@ -101,10 +101,16 @@ class FactoredState(StoredTensor):
                 f"{tuple(self.shape)}"
             )
         rows, columns = self.row.numel(), self.col.numel()
-        matrix = tensor.detach().to(device=self.row.device, dtype=torch.float32).reshape(rows, columns)
-        self.row.copy_((matrix / columns).sum(dim=1))
-        column_shares = (matrix / (all_rows or rows)).sum(dim=0)
-        self.col.copy_(column_shares if sum_columns is None else sum_columns(column_shares))
+        # float64 sums saturated at the largest float32, as the step keeps its statistics
+        # (lowbit_optim.factored): a torch AdamW moment holding inf or values near FLT_MAX
+        # gives saturated, not infinite, statistics.
+        float32_max = torch.finfo(torch.float32).max
+        matrix = tensor.detach().to(device=self.row.device, dtype=torch.float64).reshape(rows, columns)
+        self.row.copy_((matrix / columns).sum(dim=1).clamp(max=float32_max))
+        column_shares = (matrix / (all_rows or rows)).sum(dim=0).clamp(max=float32_max).float()
+        if sum_columns is not None:
+            column_shares = sum_columns(column_shares).clamp(max=float32_max)
+        self.col.copy_(column_shares)
         return self
 
     def _rebuild(self, inner, shape, dtype):

@@ -53,10 +53,25 @@ def bias_corrections(beta1, beta2, step):
     return 1 - beta1**step, (1 - beta2**step).sqrt()
 
 
-@torch.library.custom_op("lowbit_optim::bias_corrections", mutates_args=())
-def _bias_corrections_op(beta1: torch.Tensor, beta2: torch.Tensor,
-                         step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bias_corrections`` as an operator Inductor cannot see into.
+def adam_ratio_bound(beta1, beta2, step):
+    """Adam's bound on ``|exp_avg / denom|`` in ``parameter_update`` at ``step``.
+
+    Cauchy-Schwarz on ``m_t = (1 - b1) sum_k b1**k g_{t-k}`` and ``v_t = (1 - b2) sum_k
+    b2**k g_{t-k}**2`` gives ``|m_t| <= (1 - b1) sqrt(sum_{k<t} (b1**2 / b2)**k)
+    sqrt(v_t / (1 - b2))``; ``exp_avg / denom`` is ``m_t / (sqrt(v_t) / sqrt(1 - b2**t))``
+    at most. Infinite for ``beta2 = 0`` (then ``v`` holds only the last gradient).
+    """
+    gamma = beta1**2 / beta2
+    geometric = torch.where(gamma == 1, step.to(gamma.dtype), (1 - gamma**step) / (1 - gamma))
+    bound = (1 - beta1) * (geometric / (1 - beta2)).sqrt() * (1 - beta2**step).sqrt()
+    # masked_fill, not where with a Python number: no tensor is made from the number.
+    return bound.masked_fill(beta2 <= 0, torch.inf)
+
+
+@torch.library.custom_op("lowbit_optim::step_constants", mutates_args=())
+def _step_constants_op(beta1: torch.Tensor, beta2: torch.Tensor,
+                       step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(*bias_corrections, adam_ratio_bound)`` as an operator Inductor cannot see into.
 
     Inductor inlines 0-d computations into every loop that uses them, and its C++ is built
     with ``-fmath-errno``, so the compiler cannot hoist ``std::pow`` out of the loop: the two
@@ -64,14 +79,15 @@ def _bias_corrections_op(beta1: torch.Tensor, beta2: torch.Tensor,
     in a loop over 10.5M float32 values, 31 ms against 17 ms at 1 thread). Computed once
     here, the loops read two numbers.
     """
-    return tuple(value.clone() for value in bias_corrections(beta1, beta2, step))
+    values = (*bias_corrections(beta1, beta2, step), adam_ratio_bound(beta1, beta2, step))
+    return tuple(value.clone() for value in values)
 
 
-@_bias_corrections_op.register_fake
+@_step_constants_op.register_fake
 def _(beta1, beta2, step):
     shape = torch.broadcast_shapes(beta1.shape, beta2.shape, step.shape)
     dtype = torch.promote_types(beta1.dtype, step.dtype)
-    return beta1.new_empty(shape, dtype=dtype), beta2.new_empty(shape, dtype=dtype)
+    return tuple(beta1.new_empty(shape, dtype=dtype) for _ in range(3))
 
 
 def effective_gradient(param, grad, *, weight_decay, maximize: bool, decoupled_weight_decay: bool):
@@ -105,7 +121,11 @@ def parameter_update(param, exp_avg, second_moment, *, lr, eps, weight_decay, co
     """The new parameter from the updated moments: torch.optim.AdamW's addcdiv.
 
     ``max_ratio``, if given, clamps ``exp_avg / denom`` elementwise to ``[-max_ratio,
-    max_ratio]`` (``AdamWFactored4bit``: ``adam_ratio_bound``, see docs/design.md)."""
+    max_ratio]``: ``adam_ratio_bound``, which exact Adam never exceeds, for moments that are
+    quantized or factored. A quantized second moment can stand for far less than an
+    element's own (a square that overflows float32 is stored at its block's scale; a factored
+    one underestimates by up to ``min(rows, columns)`` times), and the clamp keeps every
+    update within what Adam itself could do (docs/design.md, "Non-finite values")."""
     bias_correction1, bias_correction2_sqrt = corrections
     step_size = lr / bias_correction1
     denom = second_moment.sqrt() / bias_correction2_sqrt + eps
@@ -118,7 +138,7 @@ def parameter_update(param, exp_avg, second_moment, *, lr, eps, weight_decay, co
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
                  weight_decay, step, maximize: bool, corrections=None,
-                 decoupled_weight_decay: bool = True):
+                 decoupled_weight_decay: bool = True, max_ratio=None):
     """One AdamW step on float32 (or float64) values.
 
     Returns the new ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq)``.
@@ -126,8 +146,8 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     ``max_exp_avg_sq`` is ``None`` unless amsgrad is on. ``corrections``, if given, is
     ``bias_corrections(beta1, beta2, step)`` computed beforehand. With
     ``decoupled_weight_decay=False`` it is ``torch.optim.Adam``'s step instead: the weight
-    decay is added to the gradient (L2) rather than applied to the parameter. Pure: inputs
-    are not modified.
+    decay is added to the gradient (L2) rather than applied to the parameter. ``max_ratio``:
+    see ``parameter_update``. Pure: inputs are not modified.
     """
     finite, safe_grad = effective_gradient(param, grad, weight_decay=weight_decay, maximize=maximize,
                                            decoupled_weight_decay=decoupled_weight_decay)
@@ -144,7 +164,7 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
         corrections = bias_corrections(beta1, beta2, step)
     new_param = parameter_update(param, new_exp_avg, second_moment, lr=lr, eps=eps,
                                  weight_decay=weight_decay, corrections=corrections,
-                                 decoupled_weight_decay=decoupled_weight_decay)
+                                 decoupled_weight_decay=decoupled_weight_decay, max_ratio=max_ratio)
 
     new_param = torch.where(finite, new_param, param)
     new_exp_avg = torch.where(finite, new_exp_avg, exp_avg)
@@ -294,13 +314,15 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
 
-    # On CPU, once per call (see _bias_corrections_op). Elsewhere inline, as before: the op's
+    # On CPU, once per call (see _step_constants_op). Elsewhere inline, as before: the op's
     # 0-d results are CPU tensors made inside the graph, and whether Inductor passes those to
     # a GPU kernel as it passes 0-d CPU graph inputs was not checked (no GPU at hand).
+    # The ratio is clamped at Adam's own bound: quantized moments are not exact ones.
     if param.device.type == "cpu":
-        corrections = _bias_corrections_op(beta1, beta2, step)
+        *corrections, max_ratio = _step_constants_op(beta1, beta2, step)
     else:
         corrections = bias_corrections(beta1, beta2, step)
+        max_ratio = adam_ratio_bound(beta1, beta2, step)
     new_params, new_exp_avgs, new_exp_avg_sqs, new_maxes = [], [], [], []
     for index, param_part in enumerate(param_parts):
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
@@ -309,6 +331,7 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
             None if stored[2] is None else max_exp_avg_sq[index].to(dtype),
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
             maximize=maximize, corrections=corrections, decoupled_weight_decay=decoupled_weight_decay,
+            max_ratio=max_ratio,
         )
         new_params.append(new_param)
         new_exp_avgs.append(new_exp_avg)

@@ -36,6 +36,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim.adamw import AdamW8bit
+from lowbit_optim.offload_gradient import HostGradient
 from lowbit_optim.offload_transfers import Transfers
 
 
@@ -52,6 +53,8 @@ class _Offloaded:
     staged: bool = False  # staging holds a gradient to add into host_grad once it lands
     copied_grad: weakref.ref | None = None  # offload_gradients=False: the device gradient copied ...
     copied_version: int = -1  # ... and its version then
+    placeholder: HostGradient | None = None  # offload_gradients=True: device_param.grad once copied
+    accumulator: object = None  # offload_gradients=True: the parameter's AccumulateGrad node
 
 
 class CPUOffloadOptimizer(Optimizer):
@@ -65,8 +68,10 @@ class CPUOffloadOptimizer(Optimizer):
             (any ``LowBitAdamW`` subclass) or ``torch.optim.AdamW`` (which gets ``fused=True``
             unless told otherwise, as in torchao: the fused CPU kernel is the fast one).
         offload_gradients: free each device gradient once it is copied. The host buffer then
-            holds the gradient: micro-batches are summed on the host, and clipping must use
-            ``clip_grad_norm_`` of this optimizer (device gradients are gone).
+            holds the gradient: micro-batches are summed on the host, and the device
+            parameter's ``.grad`` becomes a storage-less ``HostGradient`` through which
+            ``torch.nn.utils.clip_grad_norm_`` clips the host gradient (other operations on
+            it raise). Setting ``.grad`` to None (``model.zero_grad()``) drops the host one.
         kwargs: the host optimizer's own (``lr``, ``weight_decay``, ``block_size``, ...).
 
     ``param_groups``, ``state`` and ``defaults`` are the host optimizer's (its groups hold the
@@ -188,15 +193,52 @@ class CPUOffloadOptimizer(Optimizer):
             if optimizer is not None and param in optimizer._offloaded:
                 optimizer._gradient_ready(optimizer._offloaded[param])
 
+        def before_accumulation(param):
+            optimizer = optimizer_ref()
+            if optimizer is not None and param in optimizer._offloaded:
+                optimizer._gradient_arriving(optimizer._offloaded[param])
+
         for item in new:
             self._offloaded[item.device_param] = item
             self._hooks.append(item.device_param.register_post_accumulate_grad_hook(on_gradient_ready))
+            if self.offload_gradients:
+                # A pre-hook on the parameter's AccumulateGrad node, not a tensor hook: that one
+                # also runs for torch.autograd.grad, which accumulates nothing. The node is held
+                # here because the parameter only keeps a weak reference to it.
+                param_ref = weakref.ref(item.device_param)
+                item.accumulator = item.device_param.view_as(item.device_param).grad_fn.next_functions[0][0]
+                self._hooks.append(item.accumulator.register_prehook(
+                    lambda grad_outputs, param_ref=param_ref: before_accumulation(param_ref())))
+                item.placeholder = self._host_gradient_placeholder(item)
+
+    def _host_gradient_placeholder(self, item: _Offloaded) -> HostGradient:
+        optimizer_ref, item_ref = weakref.ref(self), weakref.ref(item)  # no cycle through .grad
+
+        def landed_host_gradient():
+            optimizer, landed = optimizer_ref(), item_ref()
+            if optimizer is None or landed is None or landed.host_param.grad is None:
+                raise RuntimeError("this HostGradient's CPUOffloadOptimizer no longer holds its gradient")
+            optimizer._land(landed)
+            return landed.host_grad
+
+        return HostGradient(item.device_param, landed_host_gradient)
 
     def __del__(self):
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
 
     # --- gradients ----------------------------------------------------------------------
+    def _gradient_arriving(self, item: _Offloaded) -> None:
+        """offload_gradients=True, before autograd accumulates a new device gradient: our
+        placeholder means "keep summing on the host" and must not be added to; no gradient at
+        all means the user cleared it (``model.zero_grad()``), so the host sum is dropped as
+        the device one would have been."""
+        if item.device_param.grad is item.placeholder:
+            item.device_param.grad = None
+        elif item.device_param.grad is None and item.host_param.grad is not None:
+            self._land(item)
+            item.host_param.grad = None
+
     def _gradient_ready(self, item: _Offloaded) -> None:
         """A device gradient is complete (the hook, or found at ``step()``): start its copy."""
         grad = item.device_param.grad
@@ -223,7 +265,7 @@ class CPUOffloadOptimizer(Optimizer):
         # its memory be reused before the copy has read it.
         self.transfers.release(grad)
         if self.offload_gradients:
-            item.device_param.grad = None
+            item.device_param.grad = item.placeholder
 
     def _land(self, item: _Offloaded) -> None:
         """Wait for the copy in flight; fold a staged micro-batch into the host sum."""
@@ -237,8 +279,10 @@ class CPUOffloadOptimizer(Optimizer):
         """Make the host gradient what the optimizer without offload would step with now."""
         grad = item.device_param.grad
         if self.offload_gradients:
-            if grad is not None:  # assigned by hand, or made without accumulation hooks
-                self._gradient_ready(item)
+            if grad is None and item.host_param.grad is not None:  # cleared by the user
+                self._gradient_arriving(item)
+            elif grad is not None and grad is not item.placeholder:  # assigned by hand, or
+                self._gradient_ready(item)  # made without accumulation hooks
         elif grad is None:
             item.host_param.grad = None
         else:
@@ -251,8 +295,9 @@ class CPUOffloadOptimizer(Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the host gradients; returns the total norm
-        (a CPU tensor). The way to clip with ``offload_gradients=True``; with it off, clipping
-        the device gradients works too but costs one more copy of each at ``step()``."""
+        (a CPU tensor). With ``offload_gradients=True`` torch's own call on the device
+        parameters gives the same (through ``HostGradient``); with it off, clipping the device
+        gradients works too but costs one more copy of each at ``step()``."""
         for item in self._offloaded.values():
             self._sync_gradient(item)
         return torch.nn.utils.clip_grad_norm_(
@@ -269,7 +314,7 @@ class CPUOffloadOptimizer(Optimizer):
                 item.device_param.grad = None
                 item.host_param.grad = None
                 continue
-            if grad is not None:  # torch.optim.Optimizer.zero_grad's in-place branch
+            if grad is not None and grad is not item.placeholder:  # torch.optim.Optimizer's in-place branch
                 if grad.grad_fn is not None:
                     grad.detach_()
                 else:

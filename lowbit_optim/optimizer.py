@@ -39,14 +39,22 @@ class LowBitAdamW(Optimizer):
     decoupled_weight_decay = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, block_size=None, min_quant_size=4096,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, block_size=None, min_quant_size=4096,
                  bf16_stochastic_round=False, backend=None):
+        """``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
+        ``torch.optim.AdamW``'s implementation choices, taken so that code written for it
+        runs unchanged, and kept in the param groups as torch keeps them. The step is always
+        one fused pass per kind of state, so ``fused`` and ``foreach`` (None, True or False)
+        change nothing. ``capturable=True`` and ``differentiable=True`` are refused
+        (``_check_group`` says why)."""
         if block_size is None:
             block_size = self.exp_avg_format.default_block_size
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, block_size=block_size, min_quant_size=min_quant_size,
-            bf16_stochastic_round=bf16_stochastic_round,
+            maximize=maximize, foreach=foreach, capturable=capturable,
+            differentiable=differentiable, fused=fused, block_size=block_size,
+            min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
             decoupled_weight_decay=self.decoupled_weight_decay,
         )
         self._init_step_helpers()
@@ -80,6 +88,8 @@ class LowBitAdamW(Optimizer):
             group.setdefault("block_size", self.exp_avg_format.default_block_size)
             group.setdefault("min_quant_size", 4096)
             group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+            for key, value in checkpoint.TORCH_ADAMW_GROUP_OPTIONS.items():
+                group.setdefault(key, value)
 
     def load_state_dict(self, state_dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, checked first, float32 state kept float32.
@@ -105,11 +115,36 @@ class LowBitAdamW(Optimizer):
             params = list(params)
             param_group = {**param_group, "params": params}
         for param in params:
-            # named_parameters() gives (name, parameter) pairs, which torch accepts.
-            tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
+            tensor = _tensor_of(param)
             if isinstance(tensor, torch.Tensor):
                 self._check_param(tensor)
+        if not isinstance(params, set):
+            self._refuse_duplicates(params)
         super().add_param_group(param_group)
+
+    def _refuse_duplicates(self, params: list) -> None:
+        """A parameter listed twice would be updated twice per step with one step count
+        (torch.optim.AdamW warns that it will refuse it; parameters in two groups it refuses
+        without naming them): refused here, named, before the group joins."""
+        group_of = {id(other): index for index, group in enumerate(self.param_groups)
+                    for other in group["params"]}
+        positions: dict[int, int] = {}
+        for position, param in enumerate(params):
+            tensor = _tensor_of(param)
+            name = f"{param[0]!r} " if tensor is not param else ""
+            where = f"parameter {name}(shape {tuple(tensor.shape)}) at position {position}"
+            if id(tensor) in positions:
+                raise ValueError(
+                    f"{type(self).__name__}: {where} of the new param group is the one at position "
+                    f"{positions[id(tensor)]}: a parameter may appear only once in an optimizer"
+                )
+            positions[id(tensor)] = position
+            if id(tensor) in group_of:
+                raise ValueError(
+                    f"{type(self).__name__}: {where} of the new param group is already in "
+                    f"param group {group_of[id(tensor)]}: a parameter may appear only once in an "
+                    "optimizer"
+                )
 
     def _check_param(self, param: torch.Tensor) -> None:
         """Refuse a parameter this optimizer cannot step, before it joins a group."""
@@ -140,6 +175,22 @@ class LowBitAdamW(Optimizer):
         min_quant_size = group["min_quant_size"]
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
+        for key in ("foreach", "fused"):
+            if not (group[key] is None or isinstance(group[key], bool)):
+                raise ValueError(f"Invalid {key}: {group[key]!r} (None, True or False is needed)")
+        if group["capturable"] is not False:
+            raise ValueError(
+                f"Invalid capturable: {group['capturable']!r} ({type(self).__name__} cannot be "
+                "captured in a CUDA graph: its step reads the learning rate and step count on the "
+                "host at every launch, so a replay would repeat the captured values; use "
+                "capturable=False)"
+            )
+        if group["differentiable"] is not False:
+            raise ValueError(
+                f"Invalid differentiable: {group['differentiable']!r} ({type(self).__name__}'s step "
+                "is not differentiable: autograd cannot pass through quantized moments; use "
+                "differentiable=False)"
+            )
 
     # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
     def moment_keys(self, group: dict) -> tuple[str, ...]:
@@ -277,3 +328,9 @@ class LowBitAdamW(Optimizer):
                 if not state:
                     self._init_state(param, group, state)
         return GroupPlan(group["params"], self.state, self.backend)
+
+
+def _tensor_of(param):
+    """The tensor of a params entry: ``named_parameters()`` gives (name, parameter) pairs,
+    which torch accepts."""
+    return param[1] if isinstance(param, tuple) and len(param) == 2 else param

@@ -65,8 +65,12 @@ class QuantizedState(StoredTensor):
         fmt.check_block_size(block_size)
         num_blocks = fmt.num_blocks(shape.numel(), block_size)
         zero_code = int(fmt.table.abs().argmin())
-        zero_codes = fmt.pack(torch.full((num_blocks, block_size), zero_code, dtype=torch.uint8))
-        codes = zero_codes.to(device)
+        # One block is packed and broadcast into the codes: packing all of them at once built
+        # an unpacked byte per element (twice the 4-bit state) on the host, the first step's
+        # largest temporary.
+        zero_block = fmt.pack(torch.full((1, block_size), zero_code, dtype=torch.uint8))
+        codes = torch.empty((num_blocks, zero_block.shape[-1]), dtype=torch.uint8, device=device)
+        codes.copy_(zero_block.expand_as(codes))
         scales = torch.zeros(num_blocks, dtype=torch.float32, device=device)
         return cls(codes, scales, fmt.name, shape, dtype)
 

@@ -143,6 +143,51 @@ def test_quick_run_writes_table_and_plots(quick_run):
         assert len({tuple(px) for px in image[::7, ::7, :3].reshape(-1, 3).round(1).tolist()}) > 5
 
 
+def test_interrupted_run_keeps_the_optimizers_it_finished(tmp_path, monkeypatch):
+    """The main job rewrites results.json and table.md after each optimizer: stopped during
+    the second one (Ctrl-C), the first one's row is on disk."""
+    from lowbit_optim.bench import __main__ as bench_main
+
+    real_train, calls = bench_main.train, []
+
+    def train_then_interrupt(name, *args):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_train(name, *args)
+
+    monkeypatch.setattr(bench_main, "train", train_then_interrupt)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--quick", "--steps", "4", "--device", "cpu", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert [row["optimizer"] for row in results["rows"]] == [DEFAULT_OPTIMIZERS[0]]
+    assert results["config"]["finished"] == [DEFAULT_OPTIMIZERS[0]]
+    assert results["config"]["optimizers"] == list(DEFAULT_OPTIMIZERS)
+    assert f"| {results['rows'][0]['label']} |" in (out / "table.md").read_text()
+
+
+def synthetic_run(val, train=None):
+    return {"curve": {"step": list(range(len(val))), "val_loss": val, "train_loss": train or val}}
+
+
+def test_loss_curves_say_which_curve_hides_another(tmp_path):
+    """Curves equal to within a line width are named in the legend of the one drawn on top;
+    a curve apart from the others is not."""
+    pytest.importorskip("matplotlib")
+    from lowbit_optim.bench import plots
+
+    runs = {"fp32": [synthetic_run([3.0, 2.5, 2.0], [3.1, 2.6, 2.1])],
+            "8-bit": [synthetic_run([3.0, 2.501, 2.0], [3.3, 2.9, 2.5])],
+            "4-bit": [synthetic_run([3.0, 2.7, 2.4], [3.1, 2.6, 2.1])]}
+    legend = plots.loss_curves(runs, tmp_path / "curves.png", "synthetic")
+    assert legend == ["fp32 (val)", "8-bit (val), over fp32: same curve", "4-bit (val)",
+                      "fp32 (train)", "8-bit (train)", "4-bit (train), over fp32: same curve"]
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert plots.coinciding({"a": [1.0, 2.0], "b": [1.0, 2.0], "c": [1.0, 2.0]}, 0.0) == {
+        "a": [], "b": ["a"], "c": ["a", "b"]}
+
+
 def test_warmup_cosine_shape():
     config = TrainConfig(model=PRESETS["quick"]["model"], steps=100, batch_size=1, lr=1.0,
                          weight_decay=0.0, betas=(0.9, 0.95), warmup_steps=10, min_lr_ratio=0.1,

@@ -31,6 +31,7 @@ from lowbit_optim import (
     FactoredState,
     QuantizedState,
 )
+from lowbit_optim.offload_gradient import HostGradient
 
 STEPS = 4
 # min_quant_size=1024 quantizes both weight matrices of the model below (4096 elements), and
@@ -220,13 +221,55 @@ def test_offload_gradients_frees_device_gradients_as_backward_goes():
     last_layer = offload_model[3].weight
     # The first layer's gradient comes last: by then the last layer's must be gone already.
     offload_model[0].weight.register_post_accumulate_grad_hook(
-        lambda param: freed_during_backward.append(last_layer.grad is None))
+        lambda param: freed_during_backward.append(type(last_layer.grad) is HostGradient))
     backward(offload_model, 0)
     assert freed_during_backward == [True]
-    assert all(param.grad is None for param in offload_model.parameters())
+    # What is left on each parameter has its metadata and no storage to hold a gradient.
+    assert all(type(param.grad) is HostGradient and param.grad.shape == param.shape
+               for param in offload_model.parameters())
     offloaded.step()
     backward(plain_model, 0)
     plain.step()
+    assert_same_params(plain_model, offload_model)
+
+
+def test_torch_clip_grad_norm_on_the_model_clips_offloaded_gradients():
+    """A training loop written for the device calls ``torch.nn.utils.clip_grad_norm_`` on the
+    model: with ``offload_gradients=True`` it returned 0.0 and clipped nothing. It now returns
+    the optimizer's own ``clip_grad_norm_`` result and trains identically, micro-batches too."""
+    _, (helper_model, helper) = twins("AdamW4bit", offload_gradients=True)
+    _, (torch_model, torch_clipped) = twins("AdamW4bit", offload_gradients=True)
+    gradients = Gradients()
+    for step in range(STEPS):
+        for model in (helper_model, torch_model):
+            for micro in range(2):
+                gradients.backward(model, step, micro)
+        expected = helper.clip_grad_norm_(0.05)
+        total_norm = torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 0.05)
+        assert expected > 0.05 and torch.equal(total_norm, expected), (total_norm, expected)
+        for optimizer in (helper, torch_clipped):
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_same_params(helper_model, torch_model)
+
+
+def test_offloaded_gradient_refuses_other_operations_by_name():
+    _, (model, _) = twins("AdamW8bit", offload_gradients=True)
+    backward(model, 0)
+    with pytest.raises(RuntimeError, match="optimizer.clip_grad_norm_"):
+        model[0].weight.grad.sum()
+
+
+def test_model_zero_grad_after_step_starts_a_new_host_gradient():
+    """Hugging Face ``Trainer``'s loop: ``optimizer.step()`` then ``model.zero_grad()`` (never the
+    optimizer's). The host gradient must restart at the next backward, not add to the last."""
+    (plain_model, plain), (offload_model, offloaded) = twins("AdamW8bit", offload_gradients=True)
+    gradients = Gradients()
+    for step in range(STEPS):
+        for model, optimizer in ((plain_model, plain), (offload_model, offloaded)):
+            gradients.backward(model, step)
+            optimizer.step()
+            model.zero_grad()
     assert_same_params(plain_model, offload_model)
 
 
@@ -368,50 +411,68 @@ def test_hooks_do_not_keep_a_dropped_optimizer_alive():
 
 
 # --- Hugging Face Trainer ---------------------------------------------------------------
-def test_trainer_with_the_offload_optim_name_matches_the_plain_one(tmp_path):
-    pytest.importorskip("accelerate")
+@pytest.fixture(scope="module")
+def trained_gpt2(tmp_path_factory):
+    """``trained_gpt2(optim, optim_args)``: a 3-step Trainer run of a tiny GPT-2 with clipping
+    (max_grad_norm=0.5) and 2 micro-batches, run once per module and shared."""
+    runs = {}
+
+    def run(optim, optim_args=""):
+        if (optim, optim_args) not in runs:
+            runs[optim, optim_args] = _train_gpt2(tmp_path_factory.mktemp(optim), optim, optim_args)
+        return runs[optim, optim_args]
+
+    return run
+
+
+def _train_gpt2(tmp_path, optim, optim_args):
     transformers = pytest.importorskip("transformers")
     from lowbit_optim.integrations.transformers import register
 
     register()
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    rows = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / optim), optim=optim, max_steps=3, learning_rate=3e-3,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5,
+        lr_scheduler_type="cosine", optim_args="min_quant_size=1024,backend=eager" + optim_args,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        logging_steps=1)
+    trainer = transformers.Trainer(model=model, args=args,
+                                   train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    trainer.train()
+    return trainer
 
-    def run(optim):
-        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1,
-                                         n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(config)
-        rows = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / optim), optim=optim, max_steps=3, learning_rate=3e-3,
-            per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5,
-            lr_scheduler_type="cosine", optim_args="min_quant_size=1024,backend=eager",
-            report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
-        trainer = transformers.Trainer(model=model, args=args,
-                                       train_dataset=[{"input_ids": r, "labels": r} for r in rows])
-        trainer.train()
-        return trainer
 
-    plain, offloaded = run("lowbit_adamw_8bit"), run("lowbit_adamw_8bit_offload")
+def logged_grad_norms(trainer):
+    return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+
+
+def test_trainer_with_the_offload_optim_name_matches_the_plain_one(trained_gpt2):
+    pytest.importorskip("accelerate")
+    plain = trained_gpt2("lowbit_adamw_8bit")
+    offloaded = trained_gpt2("lowbit_adamw_8bit_offload")
     inner = offloaded.optimizer.optimizer  # accelerate's wrapper around ours
     assert type(inner) is CPUOffloadOptimizer and type(inner.host_optimizer) is AdamW8bit
     assert len(inner.param_groups) == 2  # Trainer's decay / no-decay groups
     assert_same_params(plain.model, offloaded.model)
 
 
-def test_trainer_refuses_offload_gradients_with_clipping(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from lowbit_optim.integrations.transformers import register
-
-    register()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), optim="lowbit_adamw_4bit_offload", report_to="none",
-        use_cpu=True, optim_args="offload_gradients=true")
-    with pytest.raises(ValueError, match="needs max_grad_norm=0"):
-        transformers.Trainer.get_optimizer_cls_and_kwargs(args)
-    args.max_grad_norm = 0.0
-    optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
-    assert optimizer_cls is CPUOffloadOptimizer
-    assert kwargs["optimizer_class"] is AdamW4bit and kwargs["offload_gradients"] is True
+def test_trainer_with_offload_gradients_and_max_grad_norm_clips_like_without_offload(trained_gpt2):
+    """Trainer clips through accelerate and ``torch.nn.utils.clip_grad_norm_(model.parameters())``,
+    then calls ``model.zero_grad()``: with offload_gradients=true that clipped nothing before
+    (so it was refused). Same weights and logged gradient norms as the plain optimizer."""
+    pytest.importorskip("accelerate")
+    plain = trained_gpt2("lowbit_adamw_8bit")
+    offloaded = trained_gpt2("lowbit_adamw_8bit_offload", ",offload_gradients=true")
+    assert offloaded.optimizer.optimizer.offload_gradients
+    norms = logged_grad_norms(plain)
+    assert len(norms) == 3 and min(norms) > 0.5  # every step was clipped
+    assert logged_grad_norms(offloaded) == norms
+    assert_same_params(plain.model, offloaded.model)
 
 
 # --- FSDP2's own CPU offload -------------------------------------------------------------

@@ -17,11 +17,13 @@ import copy
 
 import pytest
 import torch
-from test_triton import LaunchCounter, interpreter  # noqa: F401  (the fixture)
+from conftest import import_kernels_interpreted
 
 from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
 from lowbit_optim.kernels import adamw_lowbit
 from lowbit_optim.kernels import layout as layouts
+
+import_kernels_interpreted()  # for the "interpreter" fixture (conftest)
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 

@@ -1,10 +1,11 @@
 """The Triton kernel against the eager reference (``functional.quantized_adamw_step``).
 
-On CPU the kernel runs under the Triton interpreter: ``TRITON_INTERPRET=1`` is set below,
-before ``lowbit_optim.kernels`` is imported, because Triton reads it when a kernel is defined
-(only ``lowbit_optim.backends`` imports the kernels otherwise, and only for the "triton"
-backend). CUDA-marked tests check what the interpreter cannot: the hardware bfloat16 cast,
-the absence of host-to-device copies, and no re-JIT when hyperparameters change.
+On CPU the kernel runs under the Triton interpreter: ``conftest.import_kernels_interpreted``
+sets ``TRITON_INTERPRET=1`` for the import of ``lowbit_optim.kernels`` below, because Triton
+reads it when a kernel is defined, and the ``interpreter`` fixture (conftest) lets
+``backend="triton"`` take CPU tensors. CUDA-marked tests check what the interpreter cannot:
+the hardware bfloat16 cast, the absence of host-to-device copies, and no re-JIT when
+hyperparameters change.
 
 Tolerances (derived in the docstring of ``lowbit_optim/kernels/adamw_lowbit.py``). Scales
 must be identical: the moments are computed operation for operation as in the reference. A
@@ -19,11 +20,9 @@ division on the GPU; under the interpreter only the reciprocal of the bias corre
 torch's CPU ``sqrt`` is off by an ulp for some inputs (MKL/SLEEF vector code).
 """
 
-import os
-
 import pytest
 import torch
-from conftest import HAS_CUDA, assert_close_verbose
+from conftest import assert_close_verbose, import_kernels_interpreted
 
 from lowbit_optim import (
     AdamW4bit,
@@ -35,7 +34,7 @@ from lowbit_optim import (
     cpu_kernel,
     distributed,
 )
-from lowbit_optim.functional import StepScalars, StoredMoment, quantized_adamw_step
+from lowbit_optim.functional import StepScalars, StoredMoment, adam_ratio_bound, quantized_adamw_step
 from lowbit_optim.quant.formats import get_format
 from lowbit_optim.state import QuantizedState
 
@@ -44,18 +43,9 @@ pytest.importorskip("triton")
 # kernel's selects put the old values back.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 
-# Only for the import: later test modules (and, on a GPU machine, every Triton kernel) must
-# not be interpreted. With CUDA present the kernel is compiled and only CUDA tests apply.
-_saved_interpret = os.environ.get("TRITON_INTERPRET")
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from lowbit_optim import kernels
-    from lowbit_optim.kernels import adamw_lowbit
-finally:
-    os.environ.pop("TRITON_INTERPRET", None)
-    if _saved_interpret is not None:
-        os.environ["TRITON_INTERPRET"] = _saved_interpret
+# TRITON_INTERPRET=1 only for the import (see import_kernels_interpreted).
+kernels = import_kernels_interpreted()
+from lowbit_optim.kernels import adamw_lowbit  # noqa: E402
 
 KINDS = {
     "8bit": (get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero"), 256),
@@ -72,16 +62,6 @@ PARAM_TOLERANCE = {
 }
 # (lr, betas, weight_decay) per step: a schedule that changes everything a kernel could bake in.
 SCHEDULE = [(1e-3, (0.9, 0.999), 0.01), (5e-4, (0.8, 0.99), 0.0), (2e-3, (0.95, 0.9999), 0.1)]
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    """CPU tensors through the interpreted kernel; ``backend="triton"`` accepted on CPU."""
-    if HAS_CUDA:
-        pytest.skip("the kernel is compiled for CUDA here; the interpreter tests run in CPU CI")
-    if not kernels.is_interpreted():
-        pytest.fail("lowbit_optim.kernels was imported before TRITON_INTERPRET=1 was set in this process")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def hyper_tensors(lr, betas, weight_decay, step, eps=1e-8):
@@ -459,6 +439,15 @@ def test_custom_op_under_torch_compile():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         compiled(*again, *hyper)
     assert not any(event.name == "aten::clone" for event in prof.events())
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.81), (0.5, 0.0), (0.0, 0.99)])
+def test_host_ratio_bound_is_adams_own(betas):
+    """The kernel's clamp (a host float) is ``functional.adam_ratio_bound``."""
+    for step in (1, 2, 10, 1000):
+        expected = adam_ratio_bound(*(torch.tensor(v, dtype=torch.float64) for v in (*betas, step)))
+        assert adamw_lowbit.host_scalars(1e-3, *betas, 1e-8, 0.0, step)["max_ratio"] == pytest.approx(
+            float(expected), rel=1e-12)
 
 
 def test_op_rejects_bad_input():

@@ -7,20 +7,51 @@ import matplotlib
 matplotlib.use("Agg")  # files only; works without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+# Two curves closer than this fraction of the axis' loss range at every point look like one
+# line (about one line width on the 5-inch figure): the legend says which one lies underneath.
+COINCIDE_FRACTION = 0.01
+MARKERS = "osD^vP*X"
 
-def loss_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str) -> None:
-    """Validation (solid) and train (dashed) loss against step, one colour per optimizer;
-    with several seeds, the mean curve and a band from the lowest to the highest seed."""
+
+def coinciding(curves: dict[str, list[float]], tolerance: float) -> dict[str, list[str]]:
+    """label -> the labels drawn before it whose curve is within ``tolerance`` of its own at
+    every point (so the later one hides them)."""
+    labels = list(curves)
+    return {
+        label: [earlier for earlier in labels[:index]
+                if all(abs(a - b) <= tolerance for a, b in zip(curves[earlier], curves[label], strict=True))]
+        for index, label in enumerate(labels)
+    }
+
+
+def loss_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str) -> list[str]:
+    """Validation (solid, with markers) and train (dashed) loss against step, one colour and
+    marker per optimizer; with several seeds, the mean curve and a band from the lowest to the
+    highest seed. Markers are staggered so that each optimizer's stay visible where curves
+    overlap, and a curve drawn over another that it matches says so in the legend. Returns
+    the legend's labels."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    for color_index, (label, seeds) in enumerate(runs.items()):
-        color = f"C{color_index}"
-        steps = seeds[0]["curve"]["step"]
-        for split, style in (("val_loss", "-"), ("train_loss", "--")):
+    means = {}
+    for label, seeds in runs.items():
+        for split in ("val_loss", "train_loss"):
             per_seed = [run["curve"][split] for run in seeds]
-            mean = [sum(values) / len(values) for values in zip(*per_seed)]
-            ax.plot(steps, mean, style, color=color,
-                    label=f"{label} ({'val' if split == 'val_loss' else 'train'})")
+            means[label, split] = [sum(values) / len(values) for values in zip(*per_seed)]
+    values = [value for curve in means.values() for value in curve]
+    tolerance = COINCIDE_FRACTION * (max(values) - min(values)) if values else 0.0
+    legend = []
+    for split, style in (("val_loss", "-"), ("train_loss", "--")):
+        hidden = coinciding({label: means[label, split] for label in runs}, tolerance)
+        for index, (label, seeds) in enumerate(runs.items()):
+            color, steps = f"C{index}", seeds[0]["curve"]["step"]
+            text = f"{label} ({'val' if split == 'val_loss' else 'train'})"
+            if hidden[label]:
+                text += f", over {' and '.join(hidden[label])}: same curve"
+            marker = dict(marker=MARKERS[index % len(MARKERS)], markevery=(index, len(runs)),
+                          markersize=5) if split == "val_loss" else {}
+            ax.plot(steps, means[label, split], style, color=color, label=text, **marker)
+            legend.append(text)
             if len(seeds) > 1:
+                per_seed = [run["curve"][split] for run in seeds]
                 low = [min(values) for values in zip(*per_seed)]
                 high = [max(values) for values in zip(*per_seed)]
                 ax.fill_between(steps, low, high, color=color, alpha=0.15, linewidth=0)
@@ -32,6 +63,7 @@ def loss_curves(runs: dict[str, list[dict]], path: pathlib.Path, title: str) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return legend
 
 
 def memory_bars(rows: list[dict], path: pathlib.Path, title: str) -> None:

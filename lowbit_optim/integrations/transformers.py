@@ -133,12 +133,6 @@ def _make_offload_handler(optimizer_cls):
         optim = getattr(ctx.args.optim, "value", ctx.args.optim)
         kwargs = _training_arguments_kwargs(ctx)
         kwargs.update(parse_optim_args(ctx.optim_args, optim, supported=OFFLOAD_OPTIM_ARGS))
-        if kwargs.get("offload_gradients") and ctx.args.max_grad_norm > 0:
-            # Trainer clips model.parameters()' gradients, which offload_gradients frees.
-            raise ValueError(
-                f"optim={optim!r} with offload_gradients=true needs max_grad_norm=0: Trainer "
-                "clips the device gradients, which are freed once copied to the host"
-            )
         return CPUOffloadOptimizer, {"optimizer_class": optimizer_cls, **kwargs}
 
     handler.__name__ = handler.__qualname__ = f"lowbit_optim_offload_{optimizer_cls.__name__}_handler"

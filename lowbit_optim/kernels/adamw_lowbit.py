@@ -8,7 +8,8 @@ Per element, with ``m, v`` (and ``v_max`` under amsgrad) decoded from their code
     v'      = v * beta2 + ((1 - beta2) * g) * g
     v_max'  = max(v_max, v')                        (amsgrad; the denominator uses it)
     denom   = sqrt(v') * (1 / sqrt(1 - beta2**t)) + eps
-    p'      = p * (1 - lr * weight_decay) - lr / (1 - beta1**t) * (m' / denom)
+    ratio   = clamp(m' / denom, -max_ratio, max_ratio)   (Adam's own bound: adam_ratio_bound)
+    p'      = p * (1 - lr * weight_decay) - lr / (1 - beta1**t) * ratio
     (p', m', v', v_max') = finite ? (p', m', v', v_max') : (p, m, v, v_max)
 
 then each moment is requantized per block: ``scale = max |x|`` over the block's finite
@@ -305,7 +306,7 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
 @triton.jit
 def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, max_exp_avg_sq,
                  step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-                 inv_bias_correction2_sqrt, eps, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 inv_bias_correction2_sqrt, eps, max_ratio, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                  L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
     """``functional.adamw_update`` on one half-tile; stores the parameter, returns the moments.
     ``L2_DECAY`` (torch.optim.Adam): ``decay`` is the weight decay, added to the gradient as
@@ -336,7 +337,12 @@ def _update_half(param_ptr, grad_ptr, index, mask, noise, exp_avg, exp_avg_sq, m
     if not L2_DECAY:
         param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
     decayed = param if L2_DECAY else param * decay
-    new_param = tl.fma(-step_size, _divide(new_exp_avg, denom, INTERPRETED), decayed)
+    # Clamped at Adam's own bound, as functional.parameter_update clamps (NaN kept as torch's
+    # clamp keeps it).
+    keep_nan = tl.PropagateNan.ALL
+    ratio = tl.maximum(_divide(new_exp_avg, denom, INTERPRETED), -max_ratio, propagate_nan=keep_nan)
+    ratio = tl.minimum(ratio, max_ratio, propagate_nan=keep_nan)
+    new_param = tl.fma(-step_size, ratio, decayed)
     new_param = tl.where(finite, new_param, param)
     new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
                                 STOCHASTIC_ROUND, INTERPRETED)
@@ -360,8 +366,8 @@ def _adamw_lowbit_kernel(
     param_base, grad_base, exp_avg_codes_base, exp_avg_scales_base, exp_avg_sq_codes_base,
     exp_avg_sq_scales_base, max_codes_base, max_scales_base, layout_ptr, program_param_ptr,
     exp_avg_table_ptr, exp_avg_edges_ptr, exp_avg_sq_table_ptr, exp_avg_sq_edges_ptr,
-    step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, seed,
-    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
+    step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, max_ratio,
+    seed, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
     EXP_AVG_BITS: tl.constexpr, EXP_AVG_CODEC: tl.constexpr,
     EXP_AVG_SQ_BITS: tl.constexpr, EXP_AVG_SQ_CODEC: tl.constexpr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
@@ -419,11 +425,13 @@ def _adamw_lowbit_kernel(
     m_low, v_low, max_low = _update_half(
         param_ptr, grad_ptr, low_index, row_mask[:, None] & (low_index < numel32), noise_low,
         m_low, v_low, max_low, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
+        inv_bias_correction2_sqrt, eps, max_ratio, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND,
+        INTERPRETED)
     m_high, v_high, max_high = _update_half(
         param_ptr, grad_ptr, high_index, row_mask[:, None] & (high_index < numel32), noise_high,
         m_high, v_high, max_high, step_size, decay, one_minus_beta1, beta2, one_minus_beta2,
-        inv_bias_correction2_sqrt, eps, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
+        inv_bias_correction2_sqrt, eps, max_ratio, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND,
+        INTERPRETED)
 
     _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_edges_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
@@ -462,7 +470,18 @@ def host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay
         one_minus_beta2=1 - beta2,
         inv_bias_correction2_sqrt=1 / math.sqrt(1 - beta2**step),
         eps=eps,
+        max_ratio=_adam_ratio_bound(beta1, beta2, step),
     )
+
+
+def _adam_ratio_bound(beta1: float, beta2: float, step: float) -> float:
+    """``functional.adam_ratio_bound`` in Python floats (tests/test_triton.py compares them):
+    the 0-d tensor operations would run inside the compiled op's call."""
+    if beta2 <= 0:
+        return math.inf
+    gamma = beta1**2 / beta2
+    geometric = step if gamma == 1 else (1 - gamma**step) / (1 - gamma)
+    return (1 - beta1) * math.sqrt(geometric / (1 - beta2)) * math.sqrt(1 - beta2**step)
 
 
 def check_launch_lists(params: list[torch.Tensor], grads: list[torch.Tensor], block_size: int) -> None:
@@ -557,7 +576,8 @@ def _launch_one(bases: list[torch.Tensor], layout: layouts.Layout, tables: tuple
         _adamw_lowbit_kernel[(layout.num_programs,)](
             *bases, layout.table, layout.program_param, *tables,
             scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
-            scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"], seed,
+            scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"],
+            scalars["max_ratio"], seed,
             L2_DECAY=scalars["l2"], ALIGNED=layout.aligned,
             maxnreg=MAX_REGISTERS if layout.aligned and not options["AMSGRAD"] else None, **options,
         )
