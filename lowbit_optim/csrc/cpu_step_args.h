@@ -42,6 +42,7 @@ struct StepArgs {
   // Hyperparameters rounded to float32 where the reference multiplies a float32 tensor by a
   // float64 0-d tensor (torch rounds the scalar to float32 first).
   float one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+  float max_ratio;      // functional.adam_ratio_bound: |exp_avg / denom| is clamped to it
   float decay;          // 1 - lr * weight_decay (decoupled)
   float weight_decay;   // L2 (not decoupled)
   int32_t maximize, decoupled, amsgrad, stochastic_round;

@@ -128,7 +128,10 @@ struct Block {
     }
     F denom = V::add(V::div(V::sqrt(second), V::set1(a.bias_correction2_sqrt)), V::set1(a.eps));
     F decayed = a.decoupled ? V::mul(p, V::set1(a.decay)) : p;
+    // clamp(-max_ratio, max_ratio), NaN kept as torch's clamp keeps it: the vector max/min
+    // return their second operand when either is NaN.
     F ratio = V::div(new_exp_avg, denom);
+    ratio = V::min(V::set1(a.max_ratio), V::max(V::set1(-a.max_ratio), ratio));
     F new_param = V::sub(decayed, V::mul(V::set1(a.step_size), ratio));
     new_param = V::select(finite, new_param, p);
     new_exp_avg = V::select(finite, new_exp_avg, exp_avg);

@@ -128,6 +128,11 @@ void cpu_adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg
   const double step_v = scalar_of(step, "step");
   const double bias_correction1 = 1.0 - std::pow(beta1_v, step_v);
   const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2_v, step_v));
+  // functional.adam_ratio_bound, operation for operation (torch squares with a multiply).
+  const double gamma = beta1_v * beta1_v / beta2_v;
+  const double geometric = gamma == 1.0 ? step_v : (1.0 - std::pow(gamma, step_v)) / (1.0 - gamma);
+  const double bound = (1.0 - beta1_v) * std::sqrt(geometric / (1.0 - beta2_v)) * bias_correction2_sqrt;
+  a.max_ratio = beta2_v <= 0.0 ? INFINITY : static_cast<float>(bound);
   a.one_minus_beta1 = static_cast<float>(1.0 - beta1_v);
   a.beta2 = static_cast<float>(beta2_v);
   a.one_minus_beta2 = static_cast<float>(1.0 - beta2_v);
