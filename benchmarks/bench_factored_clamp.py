@@ -1,6 +1,6 @@
 """The main benchmark with AdamWFactored4bit's clamp at Adam's bound turned off.
 
-``lowbit_optim.factored`` clamps each element's ``exp_avg / denom`` at Adam's own bound
+``lowbit_optim.step.factored`` clamps each element's ``exp_avg / denom`` at Adam's own bound
 (docs/design.md, "The factored second moment"). This runs ``python -m lowbit_optim.bench``
 with that bound replaced by infinity, to measure what the clamp does to the loss: compare its
 ``lowbit_4bit_factored`` row with the same seed of an ordinary run. Arguments are the bench's,
@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from lowbit_optim import factored
 from lowbit_optim.bench.__main__ import main
+from lowbit_optim.step import factored
 
 clamped_bound = factored.adam_ratio_bound
 

@@ -3,8 +3,8 @@
 A GPU step's wall time is the kernel's plus the Python around it; on a model with hundreds of
 parameters the Python was the larger part (issue 17: ~13-25 us per parameter, 15 ms per step
 for 562 parameters). Here every host-side piece runs for real (the group's plan and its
-checks, ``lowbit_optim.step_plan``; the float-state step of the small parameters; each kind's
-launches and layout table, ``lowbit_optim.kernels.plan``) and only
+checks, ``lowbit_optim.step.plan``; the float-state step of the small parameters; each kind's
+launches and layout table, ``lowbit_optim.step.kernels.plan``) and only
 ``_adamw_lowbit_kernel[grid](...)`` is replaced by a counter, so the figures hold without a
 GPU:
 
@@ -47,8 +47,8 @@ import torch  # noqa: E402
 
 from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState  # noqa: E402
 from lowbit_optim.bench import harness  # noqa: E402
-from lowbit_optim.kernels import adamw_lowbit  # noqa: E402
-from lowbit_optim.kernels import layout as layouts  # noqa: E402
+from lowbit_optim.step.kernels import adamw_lowbit  # noqa: E402
+from lowbit_optim.step.kernels import layout as layouts  # noqa: E402
 
 OPTIMIZERS = {"lowbit_triton_8bit": AdamW8bit, "lowbit_triton_4bit": AdamW4bit}
 
@@ -157,7 +157,7 @@ def small_param_ops(count: int) -> int:
     """Tensor ops of one step over ``count`` float-state parameters (see module docstring)."""
     from torch.profiler import ProfilerActivity
 
-    from lowbit_optim.profiling import quiet_profile
+    from lowbit_optim.bench.profiling import quiet_profile
 
     params = [torch.nn.Parameter(torch.randn(64 + i % 5)) for i in range(count)]
     optimizer = AdamW8bit(params, backend="triton")

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from lowbit_optim.bench import harness
-from lowbit_optim.quant.formats import FORMATS, get_format
+from lowbit_optim.formats.catalog import FORMATS, get_format
 
 
 def throughput(fn, numel: int, repeats: int, device: torch.device) -> tuple[float, float]:

@@ -12,7 +12,7 @@ hardware.
     LOWBIT_OPTIM_CPU_ISA=avx2 python benchmarks/bench_step.py --optimizers torch_adamw lowbit_4bit
 
 ``lowbit_8bit``/``lowbit_4bit``/``lowbit_fp8`` use the default backend (on CPU the C++ kernel,
-``lowbit_optim.cpu_kernel``, on its widest instruction set unless ``LOWBIT_OPTIM_CPU_ISA``
+``lowbit_optim.step.cpu_kernel``, on its widest instruction set unless ``LOWBIT_OPTIM_CPU_ISA``
 says otherwise; the table's heading names the one used); the ``_compile`` rows pin
 ``backend="compile"``.
 
@@ -35,8 +35,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lowbit_optim import cpu_kernel, state_bytes  # noqa: E402
+from lowbit_optim import state_bytes  # noqa: E402
 from lowbit_optim.bench import harness  # noqa: E402
+from lowbit_optim.step import cpu_kernel  # noqa: E402
 
 DEFAULT_OPTIMIZERS = ("torch_adamw", "torch_adamw_foreach", "lowbit_8bit", "lowbit_4bit", "lowbit_fp8",
                       "lowbit_4bit_factored", "lowbit_8bit_compile", "lowbit_4bit_compile",

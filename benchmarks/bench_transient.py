@@ -4,7 +4,7 @@ peak above what was live before the step, against the size of fp32 AdamW's whole
     python benchmarks/bench_transient.py                      # one 49152 x 1024 embedding (50.3M)
     python benchmarks/bench_transient.py --rows 8192 --chunks 1048576 0
 
-``--chunks`` lists values of ``backends.CHUNK_ELEMENTS`` to compare (0: the whole parameter in
+``--chunks`` lists values of ``chunks.CHUNK_ELEMENTS`` to compare (0: the whole parameter in
 one call, the behaviour before issue 13). Prints a markdown table and writes JSON rows.
 """
 
@@ -15,15 +15,16 @@ import time
 
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, backends, state_bytes
+from lowbit_optim import AdamW4bit, AdamW8bit, state_bytes
 from lowbit_optim.bench import harness
-from lowbit_optim.profiling import allocation_peak_bytes
+from lowbit_optim.bench.profiling import allocation_peak_bytes
+from lowbit_optim.step import chunks
 
 OPTIMIZERS = {"ours_8bit": AdamW8bit, "ours_4bit": AdamW4bit}
 
 
 def measure(name: str, rows: int, chunk: int, repeats: int) -> dict:
-    backends.CHUNK_ELEMENTS = chunk or 1 << 62
+    chunks.CHUNK_ELEMENTS = chunk or 1 << 62
     embedding = torch.nn.Embedding(rows, 1024)
     numel = embedding.weight.numel()
     if name == "torch_fused":
@@ -59,7 +60,7 @@ COLUMNS = [
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=49152, help="embedding rows of 1024 (default 49152)")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[backends.CHUNK_ELEMENTS, 0])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[chunks.CHUNK_ELEMENTS, 0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out/bench_transient.json"))
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ Run it with the checkout you mean to measure first on ``sys.path`` (``PYTHONPATH
 repository root): ``python benchmarks/...`` puts ``benchmarks/`` there, not the checkout, so
 otherwise the installed ``lowbit_optim`` is measured.
 
-No GPU is needed: ``lowbit_optim.kernels.adamw_lowbit.launch`` is driven with ``meta``
+No GPU is needed: ``lowbit_optim.step.kernels.adamw_lowbit.launch`` is driven with ``meta``
 tensors (which the host code treats as a GPU device: GPU tile sizes, no interpreter paths),
 its kernel launches are recorded instead of run, and each recorded launch is specialised
 exactly as Triton's JIT would specialise it (its own binder: pointer dtypes, 16-byte
@@ -51,8 +51,8 @@ except ImportError:  # pragma: no cover - the script needs Triton, the package d
     sys.exit("kernel_stats.py needs Triton: pip install triton")
 
 from lowbit_optim.bench import harness
-from lowbit_optim.kernels import adamw_lowbit
-from lowbit_optim.quant.formats import get_format
+from lowbit_optim.formats.catalog import get_format
+from lowbit_optim.step.kernels import adamw_lowbit
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 KINDS = {  # state kind -> (exp_avg format, exp_avg_sq format, default block size)

@@ -1,6 +1,8 @@
 """Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
 
-from lowbit_optim.adamw import (
+from lowbit_optim.formats.catalog import FORMATS, QuantFormat
+from lowbit_optim.offload import CPUOffloadOptimizer
+from lowbit_optim.optim import (
     Adam4bit,
     Adam8bit,
     AdamFp8,
@@ -8,13 +10,9 @@ from lowbit_optim.adamw import (
     AdamW8bit,
     AdamWFactored4bit,
     AdamWFp8,
+    LowBitAdamW,
 )
-from lowbit_optim.factored_state import FactoredState
-from lowbit_optim.memory import state_bytes
-from lowbit_optim.offload import CPUOffloadOptimizer
-from lowbit_optim.optimizer import LowBitAdamW
-from lowbit_optim.quant.formats import FORMATS, QuantFormat
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.state import FactoredState, QuantizedState, state_bytes
 
 __version__ = "0.1.0"
 

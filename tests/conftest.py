@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib
+import importlib.util
 import os
 
 import pytest
@@ -18,6 +19,37 @@ HAS_CUDA = torch.cuda.is_available()
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_configure(config):
+    """Import the Triton kernels once, before any test module, under the interpreter when
+    there is no GPU: Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so this is
+    the one moment it can be chosen. The variable is restored right after, so that nothing
+    else in the run is interpreted; tests that launch the kernels on CPU tensors ask for the
+    ``interpreter`` fixture. With a GPU the kernel is compiled and only CUDA tests use it."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not HAS_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module("lowbit_optim.step.kernels")
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """CPU tensors through the interpreted kernel; ``backend="triton"`` accepted on CPU."""
+    if HAS_CUDA:
+        pytest.skip("the kernel is compiled for CUDA here; the interpreter tests run in CPU CI")
+    kernels = pytest.importorskip("lowbit_optim.step.kernels")
+    if not kernels.is_interpreted():
+        pytest.fail("lowbit_optim.step.kernels was imported before TRITON_INTERPRET=1 was set in "
+                    "this process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -82,32 +114,3 @@ class CompileCounter:
 @pytest.fixture
 def compile_counter():
     return CompileCounter
-
-
-def import_kernels_interpreted():
-    """``lowbit_optim.kernels``, imported with ``TRITON_INTERPRET=1`` set for the import only
-    (where there is no CUDA device; with one the kernel is compiled and only CUDA tests
-    apply). Triton reads the variable when a kernel is defined, so it must be set before the
-    first import; it is put back at once so that no other module's Triton kernels are
-    interpreted. Call at module level, before anything imports the kernels (only
-    ``lowbit_optim.backends`` does, and only for the "triton" backend)."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    if not HAS_CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return importlib.import_module("lowbit_optim.kernels")
-    finally:
-        os.environ.pop("TRITON_INTERPRET", None)
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    """CPU tensors through the interpreted kernel; ``backend="triton"`` accepted on CPU (for
-    modules that called ``import_kernels_interpreted``)."""
-    if HAS_CUDA:
-        pytest.skip("the kernel is compiled for CUDA here; the interpreter tests run in CPU CI")
-    if not importlib.import_module("lowbit_optim.kernels").is_interpreted():
-        pytest.fail("lowbit_optim.kernels was imported before TRITON_INTERPRET=1 was set in this process")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -2,13 +2,11 @@
 
 import pytest
 import torch
-from conftest import HAS_CUDA, import_kernels_interpreted, relative_rmse
-from test_optimizer import STEPS, train
+from conftest import HAS_CUDA, relative_rmse
+from helpers import STEPS, train
 
 from lowbit_optim import Adam4bit, Adam8bit, AdamFp8, AdamW8bit, QuantizedState
 from lowbit_optim.checkpoint import to_torch_adamw
-
-import_kernels_interpreted()  # for the "interpreter" fixture (conftest)
 
 # Weight decay 1.0 makes L2 and decoupled decay differ by more than quantization noise: the
 # parameter change of 20 steps is measured against torch.optim.Adam (the bounds) and must be

@@ -12,13 +12,13 @@ from lowbit_optim.bench import harness
 from lowbit_optim.bench.__main__ import DEFAULT_OPTIMIZERS, PRESETS, main
 from lowbit_optim.bench.data import batch_offsets, get_batch, load_corpus
 from lowbit_optim.bench.model import ByteGPT
+from lowbit_optim.bench.profiling import without_kineto_markers
 from lowbit_optim.bench.train import (
     Evaluator,
     TrainConfig,
     cpu_step_peak_bytes,
     warmup_cosine,
 )
-from lowbit_optim.profiling import without_kineto_markers
 
 UNIFORM_LOSS = math.log(256)  # a model that has learned nothing about bytes
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import relative_rmse
+from helpers import assert_same_state
 from torch import nn
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
@@ -23,34 +24,6 @@ def round_trip(obj, **load_kwargs):
     torch.save(obj, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True, **load_kwargs)
-
-
-def assert_same_state(actual: dict, expected: dict) -> None:
-    """Two optimizer state dicts hold bit-identical state and equal hyperparameters."""
-    assert actual["state"].keys() == expected["state"].keys()
-    for saved_id, entry in expected["state"].items():
-        other = actual["state"][saved_id]
-        assert other.keys() == entry.keys(), f"parameter {saved_id}"
-        for key, value in entry.items():
-            where = f"parameter {saved_id} {key}"
-            if isinstance(value, FactoredState):
-                assert isinstance(other[key], FactoredState), where
-                assert (other[key].shape, other[key].dtype) == (value.shape, value.dtype), where
-                assert torch.equal(other[key].row, value.row), where
-                assert torch.equal(other[key].col, value.col), where
-            elif isinstance(value, QuantizedState):
-                assert isinstance(other[key], QuantizedState), where
-                assert (other[key].format_name, other[key].shape, other[key].dtype) == (
-                    value.format_name, value.shape, value.dtype), where
-                assert torch.equal(other[key].codes, value.codes), where
-                assert torch.equal(other[key].scales, value.scales), where
-            else:
-                assert other[key].dtype == value.dtype, where
-                assert torch.equal(other[key], value), where
-    assert len(actual["param_groups"]) == len(expected["param_groups"])
-    for group, other in zip(expected["param_groups"], actual["param_groups"]):
-        assert {k: float(v) if k == "lr" else v for k, v in group.items()} == {
-            k: float(v) if k == "lr" else v for k, v in other.items()}
 
 
 # --- exact resume ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The C++ CPU step (``lowbit_optim.cpu_kernel``) against the eager reference step.
+"""The C++ CPU step (``lowbit_optim.step.cpu_kernel``) against the eager reference step.
 
 The kernel performs the reference's float32 operations in the reference's order
 (docs/cpu_kernel.md), so codes, scales and parameters are compared for exact equality, on
@@ -17,11 +17,12 @@ are equal too (``test_matches_compiled_step``). Codes never depend on the sqrt.
 import pytest
 import torch
 
-from lowbit_optim import cpu_kernel
-from lowbit_optim.backends import ParamStep, TailScratch, run_quantized_step
-from lowbit_optim.functional import StepScalars
-from lowbit_optim.quant import formats
+from lowbit_optim.formats import catalog as formats
 from lowbit_optim.state import QuantizedState
+from lowbit_optim.step import cpu_kernel
+from lowbit_optim.step.chunks import ParamStep, TailScratch
+from lowbit_optim.step.math import StepScalars
+from lowbit_optim.step.quantized import run_quantized_step
 
 FORMAT_PAIRS = {
     "8bit": (formats.DYNAMIC_8BIT_SIGNED, formats.DYNAMIC_8BIT_UNSIGNED_NONZERO),
@@ -315,7 +316,8 @@ def test_without_a_compiler_the_compiled_step_serves(kernel, monkeypatch):
     goes to the compiled step."""
     from torch.utils import cpp_extension
 
-    from lowbit_optim import AdamW8bit, backends
+    from lowbit_optim import AdamW8bit
+    from lowbit_optim.step.dispatch import resolve_backend
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension: c++: command not found")
@@ -325,8 +327,8 @@ def test_without_a_compiler_the_compiled_step_serves(kernel, monkeypatch):
     with pytest.warns(RuntimeWarning, match="could not be built .*command not found.*backend='compile'"):
         assert cpu_kernel.load.__wrapped__() is False
     monkeypatch.setattr(cpu_kernel, "load", lambda: False)
-    assert backends.resolve_backend(None, [torch.device("cpu")]) == "compile"
-    assert backends.resolve_backend("cpu", [torch.device("cpu")]) == "compile"
+    assert resolve_backend(None, [torch.device("cpu")]) == "compile"
+    assert resolve_backend("cpu", [torch.device("cpu")]) == "compile"
     assert AdamW8bit([torch.nn.Parameter(torch.zeros(5000))]).backend == "compile"
 
 

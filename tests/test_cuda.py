@@ -2,7 +2,7 @@
 
 Every test here is marked ``cuda`` (skipped without a GPU; ``benchmarks/gpu_check.sh`` runs
 them). They compare the compiled kernel with ``quantized_adamw_step`` run eagerly **on the
-CPU**, with the bounds the kernel documents (``tests/test_triton.py``'s helpers: scales
+CPU**, with the bounds the kernel documents (``tests/kernel_helpers.py``: scales
 identical, codes one map step at most and only next to a bin edge, parameters within one ulp
 plus 2**-20 of the update), and check what only a GPU shows: groups past 2**31 elements,
 misaligned views, fp16, amsgrad, bfloat16 stochastic rounding, and a training loop's layout
@@ -11,7 +11,7 @@ rebuilds, host-to-device copies and synchronisations.
 
 import pytest
 import torch
-from test_triton import (
+from kernel_helpers import (
     KINDS,
     SCHEDULE,
     assert_params_close,
@@ -138,8 +138,8 @@ def test_cuda_training_loop_layout_rebuilds_copies_and_syncs(monkeypatch):
     same blocks); that copies one small table from pinned memory, the only host-to-device
     copy a step makes. After the first step nothing is planned or built from scratch, and
     no step synchronises with the device."""
-    from lowbit_optim import step_plan
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step import plan as step_plan
+    from lowbit_optim.step.kernels import layout as layouts
 
     events = []
 

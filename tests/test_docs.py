@@ -4,6 +4,7 @@ Only the pages whose every ``python`` block is a whole program are listed; other
 continue one example across blocks (``model`` from the block before).
 """
 
+import os
 import pathlib
 import re
 import subprocess
@@ -11,19 +12,22 @@ import sys
 
 import pytest
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 COMPLETE_PAGES = ("usage.md", "triton.md", "cpu_kernel.md")
 
 
-def examples():
-    for page in COMPLETE_PAGES:
-        blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
-        for index, code in enumerate(blocks):
-            yield pytest.param(code, id=f"{page}-{index}")
+def examples() -> list:
+    return [pytest.param(code, id=f"{page}-{index}") for page in COMPLETE_PAGES
+            for index, code in enumerate(re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S))]
 
 
 @pytest.mark.parametrize("code", examples())
-def test_documented_example_runs(code):
+def test_documented_example_runs(code, tmp_path):
+    # In an empty folder, as a reader would run it: the files an example writes
+    # (checkpoint.pt, out/) land there, not in the repository. The package is found through
+    # PYTHONPATH, as the tests find it.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          cwd=DOCS.parent)
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
     assert done.returncode == 0, done.stderr[-3000:]

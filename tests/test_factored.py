@@ -5,9 +5,10 @@ import pytest
 import torch
 from conftest import relative_rmse
 
-from lowbit_optim import AdamW4bit, AdamWFactored4bit, FactoredState, QuantizedState, backends
-from lowbit_optim.factored import adam_ratio_bound
-from lowbit_optim.factored_state import reconstruct
+from lowbit_optim import AdamW4bit, AdamWFactored4bit, FactoredState, QuantizedState
+from lowbit_optim.state.factored import reconstruct
+from lowbit_optim.step import chunks
+from lowbit_optim.step.factored import adam_ratio_bound
 
 BETAS = (0.9, 0.999)
 
@@ -207,7 +208,7 @@ def test_chunked_step_equals_the_whole_step(monkeypatch):
         return param.detach(), state["exp_avg"], state["exp_avg_sq"]
 
     whole = run()
-    monkeypatch.setattr(backends, "CHUNK_ELEMENTS", 128 * 16)  # 5 chunks of blocks, 5 of rows
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 128 * 16)  # 5 chunks of blocks, 5 of rows
     chunked = run()
     torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=1e-7)
     assert (chunked[1].codes != whole[1].codes).float().mean() < 1e-3

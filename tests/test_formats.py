@@ -8,8 +8,8 @@ from conftest import relative_rmse
 from torch._inductor.utils import run_and_get_code
 
 import lowbit_optim
-from lowbit_optim.quant import codecs, maps
-from lowbit_optim.quant.formats import (
+from lowbit_optim.formats import codecs, maps
+from lowbit_optim.formats.catalog import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
     DYNAMIC_8BIT_UNSIGNED,

@@ -1,8 +1,8 @@
 """A checkpoint of torchao's low-bit optimizer resumes in ours, with real torchao: each of its
 AdamW8bit, AdamW4bit, AdamWFp8, Adam8bit, Adam4bit and AdamFp8 into our class of the same name,
-its codes and scales carried over (``lowbit_optim.torchao_checkpoint.quantized_from_torchao``),
+its codes and scales carried over (``lowbit_optim.checkpoint.torchao.quantized_from_torchao``),
 so that training continues as torchao's own optimizer would; and such a checkpoint file read
-without torchao (``lowbit_optim.torchao_checkpoint.load_torchao_optimizer_state``)."""
+without torchao (``lowbit_optim.checkpoint.torchao.load_torchao_optimizer_state``)."""
 
 import io
 import math
@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from test_checkpoint import assert_same_state
+from helpers import assert_same_state
 
 from lowbit_optim import Adam4bit, Adam8bit, AdamFp8, AdamW4bit, AdamW8bit, AdamWFp8, QuantizedState
-from lowbit_optim.quant.codecs import ZeroFreeCodec
-from lowbit_optim.torchao_checkpoint import load_torchao_optimizer_state, quantized_from_torchao
+from lowbit_optim.checkpoint.torchao import load_torchao_optimizer_state, quantized_from_torchao
+from lowbit_optim.formats.codecs import ZeroFreeCodec
 
 torchao_optim = pytest.importorskip("torchao.optim")
 
@@ -267,7 +267,7 @@ class BlockTorchao:
 
 sys.meta_path.insert(0, BlockTorchao())
 import torch
-from lowbit_optim.torchao_checkpoint import load_torchao_optimizer_state
+from lowbit_optim.checkpoint.torchao import load_torchao_optimizer_state
 
 for source, target in zip(sys.argv[1::2], sys.argv[2::2]):
     torch.save(load_torchao_optimizer_state(source), target)

@@ -29,7 +29,6 @@ and Triton (under the interpreter, slow per launch) small shapes.
 
 import pytest
 import torch
-from conftest import import_kernels_interpreted
 from torch import nn
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -46,10 +45,8 @@ from lowbit_optim import (  # noqa: E402
     AdamWFactored4bit,
     AdamWFp8,
 )
-from lowbit_optim.functional import adam_ratio_bound  # noqa: E402
+from lowbit_optim.step.math import adam_ratio_bound  # noqa: E402
 
-# The Triton backend runs on CPU tensors only under the interpreter (see conftest).
-import_kernels_interpreted()
 # NaN gradients, and squares that overflow float32, flow into the interpreter's numpy
 # arithmetic before the kernel's selects and clamps.
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),

@@ -31,7 +31,7 @@ from lowbit_optim import (
     FactoredState,
     QuantizedState,
 )
-from lowbit_optim.offload_gradient import HostGradient
+from lowbit_optim.offload.gradient import HostGradient
 
 STEPS = 4
 # min_quant_size=1024 quantizes both weight matrices of the model below (4096 elements), and

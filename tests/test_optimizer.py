@@ -3,33 +3,12 @@
 import pytest
 import torch
 from conftest import relative_rmse
+from helpers import STEPS, regression_problem, train
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
-from lowbit_optim.functional import round_to_bfloat16_stochastic
+from lowbit_optim.step.math import round_to_bfloat16_stochastic
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8]
-
-
-def regression_problem(rows=64, cols=128, seed=0):
-    """A least-squares problem (convex: quantization noise does not get amplified by chaos)."""
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(256, cols, generator=generator)
-    targets = inputs @ torch.randn(cols, rows, generator=generator) * 0.1
-    weight = torch.randn(rows, cols, generator=generator) * 0.05
-    return inputs, targets, weight
-
-
-def train(optimizer_factory, steps, *, weight_decay=0.1, lr=1e-2, backend_kwargs=None):
-    inputs, targets, initial = regression_problem()
-    weight = torch.nn.Parameter(initial.clone())
-    bias = torch.nn.Parameter(torch.zeros(initial.shape[0]))
-    optimizer = optimizer_factory([weight, bias], lr=lr, weight_decay=weight_decay, **(backend_kwargs or {}))
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(inputs @ weight.T + bias, targets)
-        loss.backward()
-        optimizer.step()
-    return initial, weight.detach(), bias.detach(), optimizer
 
 
 # Relative error of the parameter change after 20 steps (weight decay 1.0, so decay matters)
@@ -41,7 +20,7 @@ def train(optimizer_factory, steps, *, weight_decay=0.1, lr=1e-2, backend_kwargs
 # larger than such mistakes (its zero-free linear second-moment map over-estimates small v,
 # which shrinks early steps), so its bound only guards against gross errors; the same
 # ``adamw_update`` is checked to float rounding by the fp32-state test below.
-STEPS, WEIGHT_DECAY = 20, 1.0
+WEIGHT_DECAY = 1.0
 # AdamWFactored4bit (measured 0.37) shares the 4-bit bound; its step is checked against a
 # float64 reference in tests/test_factored.py.
 CHANGE_ERROR_BOUND = {AdamW8bit: 0.04, AdamW4bit: 0.45, AdamWFp8: 0.05, AdamWFactored4bit: 0.45}

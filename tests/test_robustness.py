@@ -1,7 +1,7 @@
 """Bad input and faults: non-finite gradients, GradScaler, missing, intermittent and odd
 gradients, empty and 0-d parameters, extreme magnitudes (issue 4).
 
-The non-finite policy (lowbit_optim.functional.adamw_update): an element whose gradient is
+The non-finite policy (lowbit_optim.step.math.adamw_update): an element whose gradient is
 NaN or ±inf keeps its parameter value and its moments for that step.
 """
 

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from helpers import SCHEDULE_STEPS as STEPS
+from helpers import SCHEDULES
 from torch.optim import lr_scheduler
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, backends, factored
-
-STEPS = 30
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
+from lowbit_optim.step import factored, quantized
 
 
 def make_model():
@@ -25,26 +26,13 @@ def train_step(model, optimizer):
 def graph_count(optimizer):
     """Graphs of the optimizer's compiled steps (the factored class has two more functions:
     its statistics and its update)."""
-    count = backends.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
+    count = quantized.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
     if isinstance(optimizer, AdamWFactored4bit):
         count += factored.compiled_graph_count(optimizer.exp_avg_format)
     return count
 
 
-SCHEDULES = {
-    "LinearLR": lambda opt: lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=STEPS),
-    "CosineAnnealingLR": lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
-    "CosineAnnealingWarmRestarts": lambda opt: lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=7),
-    "OneCycleLR": lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS + 1),
-    "LambdaLR": lambda opt: lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)),
-    "SequentialLR": lambda opt: lr_scheduler.SequentialLR(
-        opt,
-        [lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5),
-         lr_scheduler.ExponentialLR(opt, gamma=0.9)],
-        milestones=[5]),
-    "StepLR": lambda opt: lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
-    "ReduceLROnPlateau": lambda opt: lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.7),
-}
+
 
 
 def transformers_cosine(opt):

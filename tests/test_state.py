@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from lowbit_optim.quant.formats import DYNAMIC_4BIT_SIGNED, DYNAMIC_8BIT_SIGNED, LINEAR_4BIT_NONZERO
+from lowbit_optim.formats.catalog import DYNAMIC_4BIT_SIGNED, DYNAMIC_8BIT_SIGNED, LINEAR_4BIT_NONZERO
 from lowbit_optim.state import QuantizedState
 
 FORMATS = [DYNAMIC_8BIT_SIGNED, DYNAMIC_4BIT_SIGNED]

@@ -1,4 +1,4 @@
-"""The per-group step plan (``lowbit_optim.step_plan``, issue 17 item 3) never serves anything stale.
+"""The per-group step plan (``lowbit_optim.step.plan``, issue 17 item 3) never serves anything stale.
 
 Each scenario runs two optimizers side by side on identical parameters and gradients: one
 keeps its plans between steps (what every user gets), the other has them discarded before
@@ -17,13 +17,10 @@ import copy
 
 import pytest
 import torch
-from conftest import import_kernels_interpreted
 
 from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
-from lowbit_optim.kernels import adamw_lowbit
-from lowbit_optim.kernels import layout as layouts
-
-import_kernels_interpreted()  # for the "interpreter" fixture (conftest)
+from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.kernels import layout as layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 
@@ -245,7 +242,7 @@ class Counts:
 
     def __init__(self, monkeypatch):
         self.plans = self.builds = self.gradient_updates = self.copies = self.launches = 0
-        from lowbit_optim import step_plan
+        from lowbit_optim.step import plan as step_plan
 
         def counting(name, function):
             def wrapper(*args, **kwargs):

@@ -1,28 +1,18 @@
-"""The Triton kernel against the eager reference (``functional.quantized_adamw_step``).
+"""The Triton kernel against the eager reference (``step.quantized.quantized_adamw_step``).
 
-On CPU the kernel runs under the Triton interpreter: ``conftest.import_kernels_interpreted``
-sets ``TRITON_INTERPRET=1`` for the import of ``lowbit_optim.kernels`` below, because Triton
-reads it when a kernel is defined, and the ``interpreter`` fixture (conftest) lets
-``backend="triton"`` take CPU tensors. CUDA-marked tests check what the interpreter cannot:
-the hardware bfloat16 cast, the absence of host-to-device copies, and no re-JIT when
-hyperparameters change.
+On CPU the kernel runs under the Triton interpreter: ``TRITON_INTERPRET=1`` is set below,
+before ``lowbit_optim.step.kernels`` is imported, because Triton reads it when a kernel is defined
+(only ``lowbit_optim.step.dispatch`` imports the kernels otherwise, and only for the "triton"
+backend). CUDA-marked tests check what the interpreter cannot: the hardware bfloat16 cast,
+the absence of host-to-device copies, and no re-JIT when hyperparameters change.
 
-Tolerances (derived in the docstring of ``lowbit_optim/kernels/adamw_lowbit.py``). Scales
-must be identical: the moments are computed operation for operation as in the reference. A
-code may differ from the reference's only by one step of its map, and only for a value whose
-normalised magnitude is within ``CODE_EDGE_RELATIVE * |x| + CODE_EDGE_ABSOLUTE`` of the
-midpoint between the two codes' values (the kernel multiplies by one reciprocal of the block
-scale and encodes against float32 table midpoints; the 8-bit reference forms its bin edges by
-float32 arithmetic). Checks of several steps copy the reference's state and parameters into
-the kernel's after each step, so that one such code does not compound. Parameters may differ
-by one ulp of their dtype plus ``UPDATE_RELATIVE`` of the step's update (approximate sqrt and
-division on the GPU; under the interpreter only the reciprocal of the bias correction), and
-torch's CPU ``sqrt`` is off by an ulp for some inputs (MKL/SLEEF vector code).
+Tolerances: tests/kernel_helpers.py.
 """
+
 
 import pytest
 import torch
-from conftest import assert_close_verbose, import_kernels_interpreted
+from conftest import assert_close_verbose
 
 from lowbit_optim import (
     AdamW4bit,
@@ -30,159 +20,34 @@ from lowbit_optim import (
     AdamWFactored4bit,
     AdamWFp8,
     FactoredState,
-    backends,
-    cpu_kernel,
-    distributed,
 )
-from lowbit_optim.functional import StepScalars, StoredMoment, adam_ratio_bound, quantized_adamw_step
-from lowbit_optim.quant.formats import get_format
-from lowbit_optim.state import QuantizedState
+from lowbit_optim.formats.catalog import get_format
+from lowbit_optim.state import QuantizedState, sharding
+from lowbit_optim.step import cpu_kernel
+from lowbit_optim.step.dispatch import resolve_backend
+from lowbit_optim.step.math import adam_ratio_bound
 
 pytest.importorskip("triton")
+from kernel_helpers import (  # noqa: E402
+    KINDS,
+    SCHEDULE,
+    LaunchCounter,
+    assert_params_close,
+    assert_states_equal,
+    gradient,
+    hyper_tensors,
+    kernel_step,
+    make_case,
+    reference_step,
+    run_against_reference,
+)
+
+from lowbit_optim.step import kernels  # noqa: E402
+from lowbit_optim.step.kernels import adamw_lowbit  # noqa: E402
+
 # NaN gradients (the non-finite policy) flow into the interpreter's numpy division before the
 # kernel's selects put the old values back.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
-
-# TRITON_INTERPRET=1 only for the import (see import_kernels_interpreted).
-kernels = import_kernels_interpreted()
-from lowbit_optim.kernels import adamw_lowbit  # noqa: E402
-
-KINDS = {
-    "8bit": (get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero"), 256),
-    "4bit": (get_format("dynamic4-signed"), get_format("linear4-nonzero"), 128),
-    "fp8": (get_format("float8-e4m3"), get_format("float8-e4m3-nonzero"), 256),
-}
-CODE_EDGE_RELATIVE, CODE_EDGE_ABSOLUTE = 2.0**-18, 2.0**-22
-UPDATE_RELATIVE = 2.0**-20
-# dtype -> (rtol, atol) for parameters: one ulp of the dtype (see the module docstring).
-PARAM_TOLERANCE = {
-    torch.float32: (2.0**-23, 1e-9),
-    torch.bfloat16: (2.0**-8, 0.0),
-    torch.float16: (2.0**-10, 0.0),
-}
-# (lr, betas, weight_decay) per step: a schedule that changes everything a kernel could bake in.
-SCHEDULE = [(1e-3, (0.9, 0.999), 0.01), (5e-4, (0.8, 0.99), 0.0), (2e-3, (0.95, 0.9999), 0.1)]
-
-
-def hyper_tensors(lr, betas, weight_decay, step, eps=1e-8):
-    """The 0-d CPU tensors the optimizer passes (hyperparams.GroupScalars' dtypes)."""
-    double = torch.float64
-    return (torch.tensor(lr, dtype=torch.float32), torch.tensor(betas[0], dtype=double),
-            torch.tensor(betas[1], dtype=double), torch.tensor(eps, dtype=double),
-            torch.tensor(weight_decay, dtype=double), torch.tensor(float(step)))
-
-
-def make_case(numel, kind, dtype, amsgrad=False):
-    exp_avg_format, exp_avg_sq_format, block_size = KINDS[kind]
-    param = torch.randn(numel).to(dtype)
-    states = [QuantizedState.from_float(torch.randn(numel) * 0.1, exp_avg_format, block_size),
-              QuantizedState.from_float(torch.rand(numel) * 0.01, exp_avg_sq_format, block_size)]
-    if amsgrad:
-        states.append(QuantizedState.from_float(torch.rand(numel) * 0.02, exp_avg_sq_format, block_size))
-    return param, states
-
-
-def gradient(numel, dtype):
-    grad = torch.randn(numel)
-    grad[::97] = float("nan")  # the non-finite policy: these elements keep param and moments
-    grad[5::101] = float("inf")
-    return grad.to(dtype)
-
-
-def reference_step(param, grad, states, hyper, *, maximize=False):
-    """``quantized_adamw_step`` on zero-padded blocks; updates ``param`` and ``states`` in place."""
-    exp_avg, exp_avg_sq = states[:2]
-    block_size, num_blocks = exp_avg.block_size, exp_avg.num_blocks
-    padding = num_blocks * block_size - param.numel()
-    param_blocks = torch.nn.functional.pad(param.view(-1), (0, padding)).view(num_blocks, block_size)
-    grad_blocks = torch.nn.functional.pad(grad.view(-1), (0, padding)).view(num_blocks, block_size)
-    stored = [StoredMoment(state.codes, state.scales) for state in states]
-    quantized_adamw_step(
-        param_blocks, grad_blocks, stored[0], stored[1], stored[2] if len(stored) == 3 else None,
-        StepScalars(*hyper), exp_avg_format=exp_avg.format, exp_avg_sq_format=exp_avg_sq.format,
-        maximize=maximize, stochastic_round=False,
-    )
-    param.copy_(param_blocks.view(-1)[: param.numel()].view(param.shape))
-
-
-def kernel_step(cases, hyper, *, maximize=False, stochastic_round=False):
-    """One ``step_group`` call for ``[(param, grad, states), ...]``."""
-    entries = [(p, g, s[0], s[1], s[2] if len(s) == 3 else None, hyper[5]) for p, g, s in cases]
-    kernels.step_group(entries, *hyper[:5], maximize=maximize, stochastic_round=stochastic_round)
-
-
-def _unpacked(state):
-    return state.format.unpack(state.codes).long()
-
-
-def assert_states_equal(actual, expected, name, *, values=None):
-    """Scales identical; codes identical except next to a bin edge (module docstring).
-
-    ``values``: per moment, the unquantized values (flat, padded to whole blocks) when the test
-    knows them; then each differing code is checked against the midpoint it straddles.
-    Without them a differing code must still be one map step from the reference's.
-    """
-    for index, (a, e) in enumerate(zip(actual, expected)):
-        assert torch.equal(a.scales, e.scales), f"{name}: moment {index}: scales differ"
-        codes_a, codes_e = _unpacked(a), _unpacked(e)
-        differ = codes_a != codes_e
-        if not differ.any():
-            continue
-        steps = (codes_a - codes_e).abs()[differ]
-        assert int(steps.max()) == 1, f"{name}: moment {index}: codes differ by {int(steps.max())} map steps"
-        if values is None or values[index] is None:
-            # Random values rarely fall that close to an edge.
-            assert int(differ.sum()) <= max(2, differ.numel() // 200), (
-                f"{name}: moment {index}: {int(differ.sum())} of {differ.numel()} codes differ")
-            continue
-        table = a.format.table
-        normalized = (values[index].view(codes_a.shape) / a.scales[:, None])[differ]
-        low = torch.minimum(codes_a, codes_e)[differ]
-        midpoint = (table[low] + table[low + 1]) / 2
-        distance = (normalized - midpoint).abs()
-        bound = CODE_EDGE_RELATIVE * normalized.abs() + CODE_EDGE_ABSOLUTE
-        assert bool((distance <= bound).all()), (
-            f"{name}: moment {index}: a code differs {float((distance / bound).max()):.3g}x the bound "
-            f"from its bin edge")
-
-
-def assert_params_close(actual, expected, name, *, update=None):
-    """One ulp of the dtype, plus ``UPDATE_RELATIVE`` of ``update`` (the reference's step)."""
-    rtol, atol = PARAM_TOLERANCE[actual.dtype]
-    assert torch.equal(actual.isnan(), expected.isnan()), f"{name}: NaN positions differ"
-    if update is not None:
-        slack = UPDATE_RELATIVE * update.abs().float()
-        inside = (actual.float() - expected.float()).abs() <= slack
-        actual = torch.where(inside, expected, actual)
-    assert_close_verbose(actual.float(), expected.float(), rtol=rtol, atol=atol, name=name)
-
-
-def resync(cases, reference):
-    """Copy the reference's parameters and states into the kernel's."""
-    for (param, _, states), (ref_param, ref_states) in zip(cases, reference):
-        param.copy_(ref_param)
-        for state, ref_state in zip(states, ref_states):
-            state.codes.copy_(ref_state.codes)
-            state.scales.copy_(ref_state.scales)
-
-
-def run_against_reference(cases, *, steps=SCHEDULE, maximize=False):
-    reference = [(p.clone(), [s.clone() for s in states]) for p, _, states in cases]
-    for step, (lr, betas, weight_decay) in enumerate(steps, start=1):
-        hyper = hyper_tensors(lr, betas, weight_decay, step)
-        grads = [gradient(p.numel(), p.dtype).view(p.shape).to(p.device) for p, _, _ in cases]
-        kernel_step([(p, g, s) for (p, _, s), g in zip(cases, grads)], hyper, maximize=maximize)
-        updates = []
-        for (ref_param, ref_states), grad in zip(reference, grads):
-            before = ref_param.double() * (1 - lr * weight_decay)
-            reference_step(ref_param, grad, ref_states, hyper, maximize=maximize)
-            updates.append(ref_param.double() - before)
-        for index, ((param, _, states), (ref_param, ref_states)) in enumerate(zip(cases, reference)):
-            name = f"param {index}, step {step}"
-            assert_states_equal(states, ref_states, name)
-            assert_params_close(param, ref_param, name, update=updates[index])
-        resync(cases, reference)
-
 
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -240,21 +105,6 @@ def test_amsgrad_maximize(kind):
     run_against_reference([(param, None, states)], maximize=True)
 
 
-class LaunchCounter:
-    """Wraps the real kernel and records each launch's grid and whether it was aligned."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids, self.aligned = kernel, [], []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-
-        def run(*args, **kwargs):
-            self.aligned.append(kwargs["ALIGNED"])
-            return self.kernel[grid](*args, **kwargs)
-        return run
-
-
 @pytest.fixture
 def launches(monkeypatch, interpreter):
     counter = LaunchCounter(adamw_lowbit._adamw_lowbit_kernel)
@@ -296,7 +146,7 @@ def test_misaligned_tensor_launches_alone(kind, launches):
 def test_odd_size_splits_off_its_last_block(kind, launches, monkeypatch):
     """An aligned parameter of 4097 elements: its whole blocks take the aligned launch and only
     its last, partial block the unaligned one."""
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step.kernels import layout as layouts
 
     seen = []
     real = adamw_lowbit._launch_one
@@ -443,7 +293,7 @@ def test_custom_op_under_torch_compile():
 
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.81), (0.5, 0.0), (0.0, 0.99)])
 def test_host_ratio_bound_is_adams_own(betas):
-    """The kernel's clamp (a host float) is ``functional.adam_ratio_bound``."""
+    """The kernel's clamp (a host float) is ``step.math.adam_ratio_bound``."""
     for step in (1, 2, 10, 1000):
         expected = adam_ratio_bound(*(torch.tensor(v, dtype=torch.float64) for v in (*betas, step)))
         assert adamw_lowbit.host_scalars(1e-3, *betas, 1e-8, 0.0, step)["max_ratio"] == pytest.approx(
@@ -476,13 +326,13 @@ def test_backend_resolution(monkeypatch):
     # CPU parameters default to the C++ kernel where it builds, never to the interpreter.
     cpu_default = "cpu" if cpu_kernel.load() else "compile"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert backends.resolve_backend(None, cpu) == cpu_default
-    assert backends.resolve_backend("triton", cpu) == "triton"
+    assert resolve_backend(None, cpu) == cpu_default
+    assert resolve_backend("triton", cpu) == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert backends.resolve_backend(None, cpu) == cpu_default
+    assert resolve_backend(None, cpu) == cpu_default
     with pytest.raises(ValueError, match="needs CUDA parameters"):
         AdamW8bit([torch.nn.Parameter(torch.zeros(5000))], backend="triton")
-    assert backends.resolve_backend(None, [torch.device("cuda")]) == "triton"
+    assert resolve_backend(None, [torch.device("cuda")]) == "triton"
 
 
 # --- CUDA: what the interpreter cannot show ---------------------------------------------------
@@ -577,7 +427,7 @@ def test_cuda_matches_eager_no_copies_no_rejit(optimizer_class):
 def test_layout_table_and_cache_key_include_dtypes():
     """The table holds each tensor's offset in elements from its list's first tensor; the same
     addresses with another element size are another layout, not a cache hit."""
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step.kernels import layout as layouts
 
     layouts.clear_cache()
     buffer = torch.zeros(64)
@@ -597,7 +447,7 @@ def test_layout_table_and_cache_key_include_dtypes():
 
 
 def test_split_aligned_keeps_the_rest_together():
-    from lowbit_optim.kernels import layout as layouts
+    from lowbit_optim.step.kernels import layout as layouts
 
     good = [torch.zeros(256) for _ in range(3)]
     odd_size, odd_view = torch.zeros(100), torch.zeros(257)[1:]
@@ -682,6 +532,6 @@ def test_optimizer_stochastic_rounding_resumes_exactly_without_rng_state(monkeyp
     torch.manual_seed(123)  # a fresh process: another generator state
     resumed, _ = run(grads[2:], resume_from=middle)
     assert torch.equal(resumed, uninterrupted)
-    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    monkeypatch.setattr(sharding, "rank", lambda: 1)
     other_rank, _ = run(grads)
     assert not torch.equal(other_rank, uninterrupted)

@@ -12,14 +12,15 @@ import pickle
 
 import pytest
 import torch
-from test_schedules import SCHEDULES
+from helpers import SCHEDULES
 from torch._dynamo.utils import counters
 from torch.optim import lr_scheduler
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, backends, state_bytes
-from lowbit_optim import optimizer as optimizer_module
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, state_bytes
+from lowbit_optim.bench.profiling import allocation_peak_bytes
 from lowbit_optim.checkpoint import to_torch_adamw
-from lowbit_optim.profiling import allocation_peak_bytes
+from lowbit_optim.optim import base as optimizer_module
+from lowbit_optim.step import chunks
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFactored4bit]
 
@@ -198,7 +199,7 @@ def test_param_group_given_as_a_set_is_refused_as_torch_refuses_it():
 def test_one_big_embedding_step_temporaries_stay_below_a_tenth_of_fp32_adamw_state(cls):
     """A 50.3M-element embedding: before, one 4-bit step allocated ~1155 MiB of temporaries
     (8-bit ~385 MiB) against fp32 AdamW's whole state of 384 MiB. Stepped in chunks of
-    ``backends.CHUNK_ELEMENTS`` the temporaries stay under a fixed budget: bound 10% of fp32
+    ``chunks.CHUNK_ELEMENTS`` the temporaries stay under a fixed budget: bound 10% of fp32
     AdamW's state, as issue 13 asks (measured: 24 MiB 4-bit, 8 MiB 8-bit)."""
     embedding = torch.nn.Embedding(49152, 1024)
     numel = embedding.weight.numel()
@@ -208,7 +209,7 @@ def test_one_big_embedding_step_temporaries_stay_below_a_tenth_of_fp32_adamw_sta
     peak = allocation_peak_bytes(optimizer.step)
     fp32_adamw_state = 8 * numel
     assert peak <= 0.10 * fp32_adamw_state, (peak, fp32_adamw_state)
-    assert peak <= 2 * backends.CHUNK_ELEMENTS * 24, "the budget does not grow with the parameter"
+    assert peak <= 2 * chunks.CHUNK_ELEMENTS * 24, "the budget does not grow with the parameter"
     assert state_bytes(optimizer) < 0.3 * fp32_adamw_state
 
 
@@ -244,7 +245,7 @@ def test_chunked_step_equals_the_whole_step(monkeypatch):
         return param.detach(), optimizer.state[param]["exp_avg"]
 
     whole_param, whole_state = run()
-    monkeypatch.setattr(backends, "CHUNK_ELEMENTS", 128 * 16)  # 5 chunks, the last one short
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 128 * 16)  # 5 chunks, the last one short
     chunked_param, chunked_state = run()
     assert torch.equal(whole_param, chunked_param) and torch.equal(whole_state, chunked_state)
 

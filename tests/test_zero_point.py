@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8, FactoredState, QuantizedState
-from lowbit_optim.quant.formats import FLOAT8
+from lowbit_optim.formats.catalog import FLOAT8
 
 OPTIMIZERS = [AdamW8bit, AdamW4bit, AdamWFp8, AdamWFactored4bit]
 BETAS = (0.9, 0.999)

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.utils import counters
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
+from lowbit_optim.optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,6 @@ def timed(fn: Callable, device: torch.device) -> float:
 
 def compiled_graphs() -> int:
     """Graphs Dynamo has compiled in this process so far (first compiles and recompiles)."""
-    from torch._dynamo.utils import counters
-
     return counters["stats"].get("unique_graphs", 0)
 
 

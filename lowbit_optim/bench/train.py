@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from lowbit_optim import state_bytes
 from lowbit_optim.bench import harness
 from lowbit_optim.bench.data import Corpus, batch_offsets, get_batch
 from lowbit_optim.bench.model import ByteGPT, ModelConfig
-from lowbit_optim.profiling import allocation_peak_bytes
+from lowbit_optim.bench.profiling import allocation_peak_bytes
+from lowbit_optim.state import state_bytes
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ routes that need no registration (``Trainer(optimizer_cls_and_kwargs=...)``).
 
 import enum
 
-from lowbit_optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
-from lowbit_optim.offload import CPUOffloadOptimizer
+from lowbit_optim.offload.optimizer import CPUOffloadOptimizer
+from lowbit_optim.optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 
 # optim name -> optimizer class. Names carry the "lowbit_" prefix: transformers already uses
 # "adamw_8bit" (bitsandbytes) and "adamw_torch_4bit" (torchao).

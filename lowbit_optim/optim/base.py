@@ -1,0 +1,339 @@
+"""``LowBitAdamW``: the drop-in ``torch.optim.AdamW`` whose moments are stored in low bits.
+
+The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats
+(``AdamWFactored4bit`` also says which second moments are factored, ``is_factored``); all
+behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
+moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
+float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
+``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
+the optimizer owns (see ``hyperparams``).
+"""
+
+import torch
+from torch.optim import Optimizer
+
+from lowbit_optim.checkpoint import load as checkpoint
+from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.state import sharding
+from lowbit_optim.state.quantized import MOMENT_KEYS
+from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
+from lowbit_optim.step.dispatch import resolve_backend
+from lowbit_optim.step.hyperparams import GroupScalars, check_hyperparameters
+from lowbit_optim.step.math import compute_dtype
+from lowbit_optim.step.plan import GroupPlan
+
+MIN_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 4096
+
+
+def capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never before CUDA is initialised;
+    the query itself fails on a build without CUDA)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class LowBitAdamW(Optimizer):
+    """AdamW with blockwise-quantized moments. Subclasses set the two formats."""
+
+    exp_avg_format: QuantFormat
+    exp_avg_sq_format: QuantFormat
+    # AdamW's decoupled weight decay; the Adam classes add it to the gradient (L2) instead.
+    # Every group records it (as torch.optim.Adam's groups do), so state dicts say which.
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, block_size=None, min_quant_size=4096,
+                 bf16_stochastic_round=False, backend=None):
+        """``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
+        ``torch.optim.AdamW``'s implementation choices, taken so that code written for it
+        runs unchanged, and kept in the param groups as torch keeps them. The step is always
+        one fused pass per kind of state, so ``fused`` and ``foreach`` (None, True or False)
+        change nothing. ``capturable=True`` and ``differentiable=True`` are refused
+        (``_check_group`` says why)."""
+        if block_size is None:
+            block_size = self.exp_avg_format.default_block_size
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, foreach=foreach, capturable=capturable,
+            differentiable=differentiable, fused=fused, block_size=block_size,
+            min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
+            decoupled_weight_decay=self.decoupled_weight_decay,
+        )
+        self._init_step_helpers()
+        super().__init__(params, defaults)
+        # From the parameters' devices: None picks "triton" only when they are all CUDA.
+        self.backend = resolve_backend(backend, self._devices())
+
+    def _init_step_helpers(self) -> None:
+        """What the step keeps between calls besides ``state``: rebuilt, never saved."""
+        self._group_scalars: list[GroupScalars] = []
+        self._tail_scratch = TailScratch()
+        self._plans: list[GroupPlan | None] = []  # per param group (step.plan)
+
+    def _devices(self) -> list[torch.device]:
+        return [p.device for group in self.param_groups for p in group["params"]]
+
+    def __getstate__(self):
+        # torch's Optimizer pickles only defaults, state and param_groups; the backend choice
+        # must survive copy.deepcopy and pickle too (the step helpers are rebuilt).
+        return {**super().__getstate__(), "backend": self.backend}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._init_step_helpers()
+        if "backend" not in self.__dict__:
+            self.backend = resolve_backend(None, self._devices())
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("bf16_stochastic_round", False)
+            group.setdefault("block_size", self.exp_avg_format.default_block_size)
+            group.setdefault("min_quant_size", 4096)
+            group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+            for key, value in checkpoint.TORCH_ADAMW_GROUP_OPTIONS.items():
+                group.setdefault(key, value)
+
+    def load_state_dict(self, state_dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, checked first, float32 state kept float32.
+
+        Also takes a ``torch.optim.AdamW`` state dict (its moments get quantized). A state dict
+        that does not fit raises ``ValueError`` naming the parameter, with the optimizer left
+        unchanged. See ``lowbit_optim.checkpoint`` and docs/checkpoints.md.
+        """
+        prepared = checkpoint.prepare_load(self, state_dict)
+        super().load_state_dict(prepared.state_dict)
+        prepared.finish(self)
+
+    # --- param groups -------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        candidate = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._check_group(candidate)
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch refuses sets itself, with its own message
+            # Consumed once here and handed on as a list: a generator (``m.parameters()``)
+            # would otherwise reach torch exhausted and the group would silently be empty.
+            params = list(params)
+            param_group = {**param_group, "params": params}
+        for param in params:
+            tensor = _tensor_of(param)
+            if isinstance(tensor, torch.Tensor):
+                self._check_param(tensor)
+        if not isinstance(params, set):
+            self._refuse_duplicates(params)
+        super().add_param_group(param_group)
+
+    def _refuse_duplicates(self, params: list) -> None:
+        """A parameter listed twice would be updated twice per step with one step count
+        (torch.optim.AdamW warns that it will refuse it; parameters in two groups it refuses
+        without naming them): refused here, named, before the group joins."""
+        group_of = {id(other): index for index, group in enumerate(self.param_groups)
+                    for other in group["params"]}
+        positions: dict[int, int] = {}
+        for position, param in enumerate(params):
+            tensor = _tensor_of(param)
+            name = f"{param[0]!r} " if tensor is not param else ""
+            where = f"parameter {name}(shape {tuple(tensor.shape)}) at position {position}"
+            if id(tensor) in positions:
+                raise ValueError(
+                    f"{type(self).__name__}: {where} of the new param group is the one at position "
+                    f"{positions[id(tensor)]}: a parameter may appear only once in an optimizer"
+                )
+            positions[id(tensor)] = position
+            if id(tensor) in group_of:
+                raise ValueError(
+                    f"{type(self).__name__}: {where} of the new param group is already in "
+                    f"param group {group_of[id(tensor)]}: a parameter may appear only once in an "
+                    "optimizer"
+                )
+
+    def _check_param(self, param: torch.Tensor) -> None:
+        """Refuse a parameter this optimizer cannot step, before it joins a group."""
+        if param.is_complex():
+            raise ValueError(
+                f"{type(self).__name__} does not support complex parameters "
+                f"(got one of shape {tuple(param.shape)}, dtype {param.dtype}); "
+                "view it as real with torch.view_as_real"
+            )
+
+    def _check_group(self, group: dict) -> None:
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        block_size = group["block_size"]
+        valid_size = (
+            isinstance(block_size, int) and not isinstance(block_size, bool)
+            and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
+            and block_size & (block_size - 1) == 0
+        )
+        if not valid_size:
+            raise ValueError(
+                f"Invalid block_size: {block_size!r} (a power of two from {MIN_BLOCK_SIZE} "
+                f"to {MAX_BLOCK_SIZE} is needed)"
+            )
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ValueError(
+                f"Invalid decoupled_weight_decay: {group['decoupled_weight_decay']!r} (a bool is needed)"
+            )
+        min_quant_size = group["min_quant_size"]
+        if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
+            raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
+        for key in ("foreach", "fused"):
+            if not (group[key] is None or isinstance(group[key], bool)):
+                raise ValueError(f"Invalid {key}: {group[key]!r} (None, True or False is needed)")
+        if group["capturable"] is not False:
+            raise ValueError(
+                f"Invalid capturable: {group['capturable']!r} ({type(self).__name__} cannot be "
+                "captured in a CUDA graph: its step reads the learning rate and step count on the "
+                "host at every launch, so a replay would repeat the captured values; use "
+                "capturable=False)"
+            )
+        if group["differentiable"] is not False:
+            raise ValueError(
+                f"Invalid differentiable: {group['differentiable']!r} ({type(self).__name__}'s step "
+                "is not differentiable: autograd cannot pass through quantized moments; use "
+                "differentiable=False)"
+            )
+
+    # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
+    def moment_keys(self, group: dict) -> tuple[str, ...]:
+        """The moments a parameter of ``group`` has (``max_exp_avg_sq`` only with amsgrad)."""
+        return MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
+
+    def moment_format(self, key: str) -> QuantFormat:
+        """The format of quantized moment ``key``: amsgrad's maximum is a second moment."""
+        return self.exp_avg_format if key == "exp_avg" else self.exp_avg_sq_format
+
+    def is_quantized(self, param: torch.Tensor, group: dict) -> bool:
+        """Whether ``param``'s moments are quantized (else float32, float64 for float64).
+
+        ``numel()`` of an FSDP2 (DTensor) parameter is its global size: the decision never
+        depends on how it is sharded (see lowbit_optim.state.sharding)."""
+        return param.numel() > 0 and param.numel() >= group["min_quant_size"]
+
+    def is_factored(self, param: torch.Tensor, group: dict, key: str) -> bool:
+        """Whether moment ``key`` of ``param`` is a ``FactoredState`` (row and column
+        statistics, ``AdamWFactored4bit``) rather than blockwise codes or float values."""
+        return False
+
+    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key in self.moment_keys(group):
+            if self.is_factored(param, group, key):
+                state[key] = sharding.zeros_factored_state(param)
+            elif self.is_quantized(param, group):
+                state[key] = sharding.zeros_state(param, self.moment_format(key), group["block_size"])
+            else:
+                state[key] = torch.zeros_like(param, dtype=compute_dtype(param),
+                                              memory_format=torch.preserve_format)
+
+    # --- the step -----------------------------------------------------------------------
+    def _check_grads(self, group: dict) -> None:
+        """Refuse a bad gradient of ``group`` (called before any parameter or state is touched)."""
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients "
+                    f"(parameter of shape {tuple(param.shape)})"
+                )
+            if grad.shape != param.shape:
+                raise RuntimeError(
+                    f"gradient of shape {tuple(grad.shape)} does not match its parameter "
+                    f"of shape {tuple(param.shape)}"
+                )
+            if grad.dtype != param.dtype:
+                # torch refuses such an assignment (p.grad = g) with "the gradient must
+                # match the tensor's grad_dtype" and its AdamW fails on one set through
+                # .data; refused here before anything changes, in the same words.
+                raise RuntimeError(
+                    f"{type(self).__name__}: a gradient with dtype {grad.dtype} for a "
+                    f"parameter of dtype {param.dtype} (shape {tuple(param.shape)}): the "
+                    "gradient must match its parameter's dtype"
+                )
+
+    def _refuse_graph_capture(self) -> None:
+        """A CUDA graph would replay this step with the LR, bias corrections and rounding
+        noise of the step it captured: they are read on the host (from 0-d CPU tensors) at
+        launch. Refused rather than replayed silently wrong."""
+        if capturing_cuda_graph():
+            raise RuntimeError(
+                f"{type(self).__name__}.step() cannot be captured in a CUDA graph: it reads the "
+                "learning rate, betas and step count on the host at every launch, so a replay "
+                "would repeat the captured values. Run it outside the captured region (with "
+                "torch.compile(mode='reduce-overhead') it already is: the step is a graph break)"
+            )
+
+    def _scalars(self, index: int) -> GroupScalars:
+        while len(self._group_scalars) <= index:
+            self._group_scalars.append(GroupScalars())
+        return self._group_scalars[index]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    # Under the user's own torch.compile (the compiled-optimizer tutorial wraps opt.step()
+    # and sched.step() in one compiled function) Dynamo skips this frame: the step runs as
+    # it does uncompiled, through our own compiled kernels, and reads the LR and betas from
+    # the groups at run time. Traced instead, the group's float LR and betas would become
+    # guarded constants of the user's graph (one recompile per new value), and per-parameter
+    # shapes would be baked in. Measured in docs/usage.md ("torch.compile around the step").
+    @torch.compiler.disable(
+        reason="lowbit_optim's step runs its own compiled kernels and is a graph break in a "
+               "torch.compile'd caller, so fullgraph=True cannot include it: compile the "
+               "caller with fullgraph=False (one graph either side of opt.step()), or call "
+               "opt.step() outside the compiled function (docs/usage.md)"
+    )
+    def _step(self) -> None:
+        self._refuse_graph_capture()
+        while len(self._plans) < len(self.param_groups):
+            self._plans.append(None)
+        # Every group's gradients are checked before anything changes: through its plan's
+        # comparisons when it has one that still holds, else one by one (step.plan).
+        gradients = []
+        for index, group in enumerate(self.param_groups):
+            plan = self._plans[index]
+            grads = None if plan is None else plan.gradients(group["params"], self.state, self.backend)
+            if grads is None:
+                self._check_grads(group)
+            gradients.append(grads)
+        scalars = [self._scalars(i) for i in range(len(self.param_groups))]
+        for group_scalars, group in zip(scalars, self.param_groups):
+            group_scalars.refresh(group)
+        for index, (group, group_scalars, grads) in enumerate(zip(self.param_groups, scalars, gradients)):
+            plan = self._plans[index]
+            if grads is None or not plan.steps_unchanged():
+                plan = self._plans[index] = self._init_group(group)
+                grads = plan.gradients(group["params"], self.state, self.backend)
+            plan.step(
+                grads, lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
+                eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
+                maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
+                scratch=self._tail_scratch, rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
+
+    def _init_group(self, group: dict) -> GroupPlan:
+        """The group's parameters that have a gradient, with their state (created on first
+        use), planned for this and later steps (``step.plan``); FSDP2 DTensors as this rank's
+        local shards."""
+        for param in group["params"]:
+            if param.grad is not None:
+                state = self.state[param]
+                if not state:
+                    self._init_state(param, group, state)
+        return GroupPlan(group["params"], self.state, self.backend)
+
+
+def _tensor_of(param):
+    """The tensor of a params entry: ``named_parameters()`` gives (name, parameter) pairs,
+    which torch accepts."""
+    return param[1] if isinstance(param, tuple) and len(param) == 2 else param

@@ -1,0 +1,127 @@
+"""The pieces every step implementation shares: one parameter's share of a step
+(``ParamStep``), running a step over a parameter's blocks in bounded chunks with a scratch
+block for the partial last one (``for_each_block_chunk``, ``TailScratch``), and a function
+copy with its own code object, so that each compiled step gets its own graph budget.
+
+``torch.compile`` sees every parameter as a ``(num_blocks, block_size)`` view with only
+``num_blocks`` dynamic. On this kind of CPU that keeps one graph for every size at close to
+static-shape speed, whereas a flat 1-D tensor with a dynamic length compiles to code ~3.5x
+slower (measured: the static block dimension is what vectorises). A parameter whose size is
+not a multiple of the block size runs its whole blocks in place, in chunks of at most
+``CHUNK_ELEMENTS`` (bounding the step's temporaries), and its last, partial block through a
+one-block scratch buffer, all reusing the same graph.
+"""
+
+import functools
+import types
+from typing import NamedTuple
+
+import torch
+
+# The most elements one call of the compiled (or eager) step updates. Its generated code keeps
+# buffers of its input's size between passes (measured: ~23 bytes per element for the 4-bit
+# step as first written), so a 50M-element embedding stepped whole allocated ~1.2 GB of temporaries,
+# 3x fp32 AdamW's entire state. In chunks of 2**20 elements the temporaries stay at a few
+# dozen MiB whatever the parameter's size; one chunk is still large enough that the per-call
+# overhead (~0.1 ms) is negligible (docs/benchmarks.md, "Transient memory of one step").
+CHUNK_ELEMENTS = 1 << 20
+
+# Stochastic rounding's noise streams (the Triton backend): an optimizer's param group has
+# stream ``rank << GROUP_STREAM_BITS | group index``, and each launch kind of the group
+# ``stream << KIND_STREAM_BITS | kind index``: distinct while a rank has fewer than 2**16
+# param groups and a group fewer than 2**10 kinds.
+GROUP_STREAM_BITS = 16
+KIND_STREAM_BITS = 10
+
+
+class PlannedStep(NamedTuple):
+    """A parameter's ``ParamStep`` as a plan keeps it: without its gradient, which each step
+    brings at ``index`` of the step's gradient list."""
+
+    index: int
+    entry: "ParamStep"
+
+
+class ParamStep(NamedTuple):
+    """One parameter's share of a step: the tensors it updates and its step count."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor | None
+    step: torch.Tensor
+
+
+def with_own_code_object(fn, name: str):
+    """A copy of ``fn`` whose code object is its own.
+
+    Dynamo keeps compiled graphs, and counts them against ``recompile_limit``, per code
+    object. One copy per state kind means the 8-bit and 4-bit steps each get their own
+    budget of graphs (one per parameter dtype and flag combination), instead of sharing one.
+    """
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return functools.update_wrapper(
+        types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__), fn
+    )
+
+
+class TailScratch:
+    """Reusable one-block buffers for the last, partial block of each parameter.
+
+    Allocated once per (device, dtype, block size), so a steady-state step allocates nothing.
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, like: torch.Tensor, block_size: int, role: str) -> torch.Tensor:
+        key = (like.device, like.dtype, block_size, role)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros(1, block_size, dtype=like.dtype, device=like.device)
+        return self._buffers[key]
+
+    def index_scalar(self, role: str) -> torch.Tensor:
+        """A 0-d int64 CPU tensor for an index the compiled step reads (``factored``)."""
+        key = ("index", role)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros((), dtype=torch.int64)
+        return self._buffers[key]
+
+
+def for_each_block_chunk(param: torch.Tensor, grad: torch.Tensor, block_size: int,
+                         scratch: TailScratch, update) -> None:
+    """Run ``update(param_blocks, grad_blocks, block_rows, first_element)`` over ``param``'s
+    blocks in place: its whole blocks a bounded chunk at a time (``CHUNK_ELEMENTS``; every
+    chunk reuses the compiled graph), then its last, partial block through a zero-padded
+    scratch block. ``block_rows`` are the chunk's rows of the block-shaped state and
+    ``first_element`` its offset in the flattened parameter. A non-contiguous parameter
+    steps a contiguous copy, written back at the end."""
+    # Detached, so views of a leaf that requires grad and the scratch buffers look alike to
+    # the compiled graph's guards.
+    param = param.detach()
+    work = param if param.is_contiguous() else param.contiguous()
+    flat_param = work.view(-1)
+    flat_grad = grad.detach().reshape(-1)
+    whole_blocks, tail = divmod(flat_param.numel(), block_size)
+    chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
+    for first in range(0, whole_blocks, chunk_blocks):
+        count = min(chunk_blocks, whole_blocks - first)
+        elements = slice(first * block_size, (first + count) * block_size)
+        update(flat_param[elements].view(count, block_size), flat_grad[elements].view(count, block_size),
+               slice(first, first + count), first * block_size)
+    if tail:
+        start = whole_blocks * block_size
+        param_block = scratch.get(flat_param, block_size, "param")
+        grad_block = scratch.get(flat_grad, block_size, "grad")
+        param_block[0, :tail].copy_(flat_param[start:])
+        grad_block[0, :tail].copy_(flat_grad[start:])
+        # The padding must be zeros, not the last parameter's values: its moments then stay
+        # exactly 0 and never set the block's scale, so neither the parameter order nor a
+        # resumed run's fresh buffers change the result (tests/test_checkpoint.py).
+        param_block[0, tail:].zero_()
+        grad_block[0, tail:].zero_()
+        update(param_block, grad_block, slice(whole_blocks, None), start)
+        flat_param[start:].copy_(param_block[0, :tail])
+    if work is not param:
+        param.copy_(work)

@@ -1,0 +1,298 @@
+"""The step of a parameter whose second moment is factored (``AdamWFactored4bit``).
+
+Two passes over the parameter, each in bounded chunks (``chunks.CHUNK_ELEMENTS``), so no
+parameter-sized float32 temporary is ever made:
+
+1. ``second_moment_means``: per chunk of rows of the ``(rows, columns)`` view, the means over
+   columns and (this chunk's share of) over rows of ``(1 - beta2) * g**2``
+   (``math.squared_gradient_term``). They update the statistics as Adafactor does:
+   ``row = beta2 * row + mean_j(...)``, ``col = beta2 * col + mean_i(...)``. Each term is
+   divided before it is summed: a sum of terms torch's AdamW keeps finite (a gradient of
+   1e20 gives 1e37) would overflow float32 over a few dozen columns, and the statistics would
+   become inf, the parameter NaN.
+2. ``factored_adamw_step``: per chunk of whole quantization blocks, the 4-bit first moment
+   is decoded, updated and re-encoded as in ``quantized_adamw_step``, and each element's
+   second moment is ``row[i] * col[j] / mean(col)`` (``state.factored.reconstruct``), found
+   from its flat index. The parameter moves by ``math.parameter_update`` with the
+   ratio ``exp_avg / denom`` clamped at Adam's own bound (``adam_ratio_bound``): the
+   factored ``v`` can underestimate an element's own second moment by up to
+   ``min(rows, columns)`` times (an identity-like gradient), and the clamp keeps every update
+   within what Adam itself could do (docs/design.md, "The factored second moment").
+
+Elements with a non-finite gradient keep their parameter value and first moment, and add 0
+to the statistics. Every function takes tensors only (hyperparameters and indices as 0-d
+tensors), so one compiled graph serves every shape and schedule.
+"""
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch._dynamo
+import torch.fx.experimental._config as fx_config
+
+from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.state import sharding
+from lowbit_optim.state.factored import factor_shape, normalized_columns
+from lowbit_optim.step import chunks
+from lowbit_optim.step.chunks import for_each_block_chunk, with_own_code_object
+from lowbit_optim.step.math import (
+    adam_ratio_bound,
+    bias_corrections,
+    compute_dtype,
+    effective_gradient,
+    first_moment_update,
+    parameter_update,
+    squared_gradient_term,
+    write_param,
+)
+
+
+def second_moment_means(param_rows, grad_rows, beta2, weight_decay, columns, all_rows, *,
+                        maximize: bool, decoupled_weight_decay: bool):
+    """For a ``(k, columns)`` chunk of a matrix of ``all_rows`` rows (both 0-d int64): the
+    float32 means of ``(1 - beta2) * g**2`` over each row ``(k,)``, and each column's sum
+    over these rows divided by ``all_rows`` ``(columns,)``: the chunk's share of the column
+    means."""
+    # float64 whatever the parameter dtype: the terms of a gradient above ~1.8e19 overflow
+    # float32 (module docstring); the means saturate when stored (``accumulate_statistic``).
+    dtype = torch.float64
+    _, safe_grad = effective_gradient(param_rows.to(dtype), grad_rows.to(dtype),
+                                      weight_decay=weight_decay, maximize=maximize,
+                                      decoupled_weight_decay=decoupled_weight_decay)
+    term = squared_gradient_term(safe_grad, beta2)
+    return saturate_float32((term / columns).sum(dim=1)), saturate_float32((term / all_rows).sum(dim=0))
+
+
+def saturate_float32(values: torch.Tensor) -> torch.Tensor:
+    """Non-negative ``values`` as float32, those above the largest float32 (inf too) at it."""
+    return values.clamp(max=torch.finfo(torch.float32).max).to(torch.float32)
+
+
+def accumulate_statistic(statistic: torch.Tensor, beta2, mean: torch.Tensor) -> None:
+    """``statistic = beta2 * statistic + mean`` in place, saturated at the largest float32
+    (two saturated values would add to inf)."""
+    statistic.mul_(beta2).add_(mean).clamp_(max=torch.finfo(torch.float32).max)
+
+
+class FactoredBlocks(NamedTuple):
+    """The tensors ``factored_adamw_step`` reads and writes: one chunk of a parameter's whole
+    blocks and its first moment's rows, and the parameter's statistics. The compiled step
+    treats the first dimension of each as dynamic, so one graph serves every size."""
+
+    param: torch.Tensor  # (n, block_size), updated in place
+    grad: torch.Tensor  # (n, block_size)
+    exp_avg_codes: torch.Tensor  # the chunk's rows of the first moment, updated in place
+    exp_avg_scales: torch.Tensor
+    row: torch.Tensor  # this step's row statistics
+    col_normalized: torch.Tensor  # col / mean(col)
+
+
+class FactoredScalars(NamedTuple):
+    """The 0-d tensors ``factored_adamw_step`` reads (inputs of the compiled graph, so new
+    values never recompile it)."""
+
+    first_element: torch.Tensor  # int64: the chunk's first element in the flat parameter
+    columns: torch.Tensor  # int64: the length of the last dimension
+    lr: torch.Tensor
+    beta1: torch.Tensor
+    eps: torch.Tensor
+    weight_decay: torch.Tensor
+    bias_correction1: torch.Tensor
+    bias_correction2_sqrt: torch.Tensor
+    max_ratio: torch.Tensor  # adam_ratio_bound at this step
+
+
+def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp_avg_format: QuantFormat,
+                        maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool):
+    """Whole blocks ``(n, block_size)`` of a parameter starting at flat element
+    ``scalars.first_element``, in place: the first moment's codes and scales and the
+    parameter. Elements past the parameter's end (a padded last block) read the last row's
+    statistics."""
+    param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized = blocks
+    first_element, columns, lr, beta1, eps, weight_decay = scalars[:6]
+    dtype = compute_dtype(param)
+    blocks, block_size = param.shape
+    exp_avg_parts = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
+    param_parts = exp_avg_format.split(param)
+    grad_parts = exp_avg_format.split(grad)
+    part_width = block_size // len(param_parts)
+    block_starts = first_element + torch.arange(blocks, device=param.device)[:, None] * block_size
+    corrections = (scalars.bias_correction1, scalars.bias_correction2_sqrt)
+
+    new_params, new_exp_avgs = [], []
+    for index, param_part in enumerate(param_parts):
+        flat = block_starts + (index * part_width + torch.arange(part_width, device=param.device))
+        row_index = flat // columns
+        col_index = flat - row_index * columns
+        second_moment = row[row_index.clamp(max=row.shape[0] - 1)] * col_normalized[col_index]
+        old_param, exp_avg = param_part.to(dtype), exp_avg_parts[index].to(dtype)
+        finite, safe_grad = effective_gradient(old_param, grad_parts[index].to(dtype),
+                                               weight_decay=weight_decay, maximize=maximize,
+                                               decoupled_weight_decay=decoupled_weight_decay)
+        new_exp_avg = first_moment_update(exp_avg, safe_grad, beta1)
+        new_param = parameter_update(old_param, new_exp_avg, second_moment.to(dtype), lr=lr, eps=eps,
+                                     weight_decay=weight_decay, corrections=corrections,
+                                     decoupled_weight_decay=decoupled_weight_decay,
+                                     max_ratio=scalars.max_ratio)
+        new_params.append(torch.where(finite, new_param, old_param))
+        new_exp_avgs.append(torch.where(finite, new_exp_avg, exp_avg))
+
+    codes, scales = exp_avg_format.encode_parts(new_exp_avgs)
+    exp_avg_codes.copy_(codes)
+    exp_avg_scales.copy_(scales)
+    for param_part, new_param in zip(param_parts, new_params):
+        write_param(param_part, new_param, stochastic_round=stochastic_round)
+
+
+class FactoredFunctions(NamedTuple):
+    """The factored step's two passes, compiled for one first-moment format."""
+
+    statistics: object  # second_moment_means
+    update: object  # factored_adamw_step
+
+
+@functools.cache
+def compiled_functions(exp_avg_format: QuantFormat) -> FactoredFunctions:
+    """Both passes compiled, once per process and format."""
+    suffix = exp_avg_format.name.replace("-", "_")
+    return FactoredFunctions(
+        statistics=torch.compile(
+            with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"), dynamic=False),
+        update=torch.compile(
+            with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"), dynamic=False),
+    )
+
+
+def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
+    """How many graphs Dynamo holds for the factored step's two functions together."""
+    total = 0
+    for function in compiled_functions(exp_avg_format):
+        code = function._torchdynamo_orig_callable.__code__
+        total += len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    return total
+
+
+def _call(function, compiled: bool, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], *args, **kwargs):
+    """``function(*args, **kwargs)``; compiled, with the sizes in ``dynamic`` (tensor, its
+    dims) marked dynamic so that one graph serves every shape (size-oblivious reasoning: see
+    ``quantized._call``)."""
+    if not compiled:
+        return function(*args, **kwargs)
+    for tensor, dims in dynamic:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    with fx_config.patch(backed_size_oblivious=True):
+        return function(*args, **kwargs)
+
+
+class FactoredParams:
+    """The factored parameters of one ``dispatch.AdamWPlan``, stepped together in place with
+    ``"compile"`` or ``"eager"``: every parameter's statistics pass first, then, for FSDP2
+    shards, one all-reduce of all their column means' shares per set of process groups (each
+    rank holds other rows: ``sharding.sum_across_shards``), then every update pass.
+
+    ``entries``: ``(index, ParamStep)`` of this rank's tensors, indices into the plan's
+    gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
+    FSDP2), which say across which ranks the rows are split and how many there are in all.
+    The column means and the normalised columns live in buffers kept from step to step.
+    """
+
+    def __init__(self, entries: list, params: list[torch.Tensor]):
+        self.entries = entries
+        self.all_rows = [factor_shape(param.shape)[0] for param in params]
+        self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
+        buckets: dict[tuple, list[int]] = {}
+        for position, ((_, entry), param) in enumerate(zip(entries, params)):
+            key = (sharding.shard_groups(param), entry.exp_avg_sq.col.device)
+            buckets.setdefault(key, []).append(position)
+        self.column_means: list[torch.Tensor | None] = [None] * len(entries)
+        self.reductions = []  # (flat column means, process groups) for sharded parameters
+        for (groups, device), positions in buckets.items():
+            lengths = [entries[p].entry.exp_avg_sq.col.numel() for p in positions]
+            flat = torch.zeros(sum(lengths), device=device)
+            for position, view in zip(positions, flat.split(lengths)):
+                self.column_means[position] = view
+            if groups:
+                self.reductions.append((flat, groups))
+
+    def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, *, maximize: bool,
+            stochastic_round: bool, decoupled_weight_decay: bool) -> None:
+        """One step of every factored parameter (``hyper``: a ``math.StepScalars``
+        whose ``step`` is ignored: each entry has its own)."""
+        flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        for position, (index, entry) in enumerate(self.entries):
+            self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper,
+                                        self.column_means[position], self.all_rows[position], scratch,
+                                        flags=flags)
+        for flat, groups in self.reductions:
+            sharding.sum_across_shards(flat, groups)
+        # The bias corrections and Adam's bound depend on the step count only, which the
+        # parameters of a plan nearly always share: worked out once per count, not per
+        # parameter (a dozen 0-d host operations each).
+        step_scalars = {}
+        for position, (index, entry) in enumerate(self.entries):
+            factored = entry.exp_avg_sq
+            accumulate_statistic(factored.col, hyper.beta2, self.column_means[position])
+            normalized_columns(factored.col, out=self.normalized_columns[position])
+            count = float(entry.step)
+            if count not in step_scalars:
+                step_scalars[count] = (*bias_corrections(hyper.beta1, hyper.beta2, entry.step),
+                                       adam_ratio_bound(hyper.beta1, hyper.beta2, entry.step))
+            self._update(backend, entry._replace(grad=grads[index]), hyper, step_scalars[count],
+                         self.normalized_columns[position], scratch,
+                         stochastic_round=stochastic_round, flags=flags)
+
+    @staticmethod
+    def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,
+                               flags) -> None:
+        """Pass 1: this step's row statistics (in place), and this shard's share of the
+        column means of ``(1 - beta2) * g**2`` (over ``all_rows`` rows) into
+        ``column_means``, a bounded chunk of rows at a time."""
+
+        compiled = backend == "compile"
+        statistics_step = (compiled_functions(entry.exp_avg.format).statistics if compiled
+                           else second_moment_means)
+        factored = entry.exp_avg_sq
+        rows, columns = factored.row.numel(), factored.col.numel()
+        param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
+        grad_matrix = entry.grad.detach().reshape(rows, columns)
+        # 0-d int64 inputs, filled in place: sizes as tensors, so no size is a guarded constant.
+        columns_scalar = scratch.index_scalar("columns").fill_(columns)
+        all_rows_scalar = scratch.index_scalar("all_rows").fill_(all_rows)
+        column_means.zero_()
+        chunk_rows = max(1, chunks.CHUNK_ELEMENTS // columns)
+        for first in range(0, rows, chunk_rows):
+            chunk = slice(first, min(first + chunk_rows, rows))
+            param_rows, grad_rows = param_matrix[chunk], grad_matrix[chunk]
+            dynamic = [(param_rows, (0, 1)), (grad_rows, (0, 1))]
+            row_means, column_shares = _call(statistics_step, compiled, dynamic, param_rows, grad_rows,
+                                             hyper.beta2, hyper.weight_decay, columns_scalar,
+                                             all_rows_scalar, **flags)
+            accumulate_statistic(factored.row[chunk], hyper.beta2, row_means)
+            column_means.add_(column_shares).clamp_(max=torch.finfo(torch.float32).max)
+
+    @staticmethod
+    def _update(backend, entry, hyper, step_scalars, col_normalized, scratch, *, stochastic_round,
+                flags) -> None:
+        """Pass 2: the first moment and the parameter, a bounded chunk of whole quantization
+        blocks at a time (``step_scalars``: the two bias corrections and Adam's bound)."""
+
+        param, grad, exp_avg, factored, _, _ = entry
+        compiled = backend == "compile"
+        update_step = compiled_functions(exp_avg.format).update if compiled else factored_adamw_step
+        # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
+        # no tensor is made per step, and no size becomes a guarded constant.
+        columns_scalar = scratch.index_scalar("columns").fill_(factored.col.numel())
+        first_element_scalar = scratch.index_scalar("first_element")
+        options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
+        scalars = FactoredScalars(first_element_scalar, columns_scalar, hyper.lr, hyper.beta1, hyper.eps,
+                                  hyper.weight_decay, *step_scalars)
+
+        def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
+            first_element_scalar.fill_(first_element)
+            blocks = FactoredBlocks(param_blocks, grad_blocks, exp_avg.codes[block_rows],
+                                    exp_avg.scales[block_rows], factored.row, col_normalized)
+            _call(update_step, compiled, [(tensor, (0,)) for tensor in blocks], blocks, scalars, **options)
+
+        for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)

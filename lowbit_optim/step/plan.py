@@ -1,0 +1,158 @@
+"""What one param group's step reuses between steps, and the checks that say it still may.
+
+A step used to redo per parameter, every time: find its state, build its entry, sort it into a
+kind, check and read the addresses of its eight tensors, key a layout cache, ~13-25 us per
+parameter of Python (docs/benchmarks.md, "Host cost of the Triton path"). Nearly all of it
+depends on things that stay the same from one step to the next: which parameters the group
+holds, which of them have a gradient, their states, their data pointers, dtypes and shapes,
+the step counts kept equal within a kind. ``GroupPlan`` keeps what was worked out
+(``dispatch.AdamWPlan`` and, for the Triton backend, each kind's launches and layouts)
+together with exactly those facts, and ``gradients`` compares them with the group as it is now
+using C-level map/compare over lists (no Python loop per parameter), so a stale plan is never
+used:
+
+* the group's parameter list, by identity; the optimizer's ``state`` mapping, by identity
+  (``load_state_dict`` replaces it), each parameter's state dict and every value in it, by
+  identity (a replaced moment or step count); the backend;
+* which parameters have a gradient (a gradient that became ``None``, or appeared);
+* each parameter's data pointer, dtype and shape (``param.data = ...``, ``model.half()``);
+* each gradient's dtype and shape against its parameter's and that it is dense: anything
+  else goes to ``LowBitAdamW._check_grads``, which refuses it before anything changes;
+* the step counts, before they are advanced, against what the plan last left them at (one
+  ``torch.equal``): a count changed in place may no longer share its kind.
+
+The plan lays out its parameters' step counts as 0-d views of one tensor, so that one add
+advances them all, and the float moments of small parameters as views of one tensor per
+moment, so that the flat float-state step updates them in place. Values, shapes and dtypes
+are unchanged: state dicts, checkpoints and ``torch.optim`` see the tensors they saw before.
+
+Gradients' addresses are not part of it: new gradients at new addresses are what every step
+with ``zero_grad(set_to_none=True)`` brings, and the Triton kinds follow them cheaply
+(``kernels.plan``). Holding no gradient, a plan never keeps a freed gradient's memory alive.
+"""
+
+from itertools import chain
+from operator import attrgetter, is_not
+
+import torch
+
+from lowbit_optim.state import sharding
+from lowbit_optim.state.quantized import MOMENT_KEYS
+from lowbit_optim.step import dispatch
+from lowbit_optim.step.chunks import ParamStep
+from lowbit_optim.step.float_state import consecutive_views
+
+# Read with C-level getters in one pass per list: a parameter's dtype and shape as one tuple,
+# a gradient's with ``is_sparse`` (planned as False), so that a single list comparison checks
+# a gradient against its parameter's planned dtype and shape and that it is dense.
+_GRAD = attrgetter("grad")
+_PARAM_FACTS = attrgetter("dtype", "shape")
+_GRAD_FACTS = attrgetter("dtype", "shape", "is_sparse")
+# The unbound method: ~3x cheaper per call than ``methodcaller("data_ptr")`` (~0.06 against
+# ~0.2 us, timeit), and the same method, as no parameter class overrides it in Python.
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _flatten_float_moments(state_dicts: list[dict]) -> None:
+    """Make the float moments of small parameters (those ``dispatch`` steps together) views of
+    one tensor per moment, dtype and device, consecutive in parameter order (values, shapes
+    and dtypes unchanged): the flat step then updates them in place instead of gathering and
+    scattering them (``float_state.FloatStateStep``)."""
+    groups: dict[tuple, list[dict]] = {}
+    for state_dict in state_dicts:
+        for key in MOMENT_KEYS:
+            moment = state_dict.get(key)
+            if type(moment) is torch.Tensor and moment.numel() < dispatch.FLAT_FLOAT_STATE_BELOW:
+                groups.setdefault((key, moment.dtype, moment.device), []).append(state_dict)
+    for (key, _, _), group in groups.items():
+        moments = [state_dict[key] for state_dict in group]
+        if len(moments) < 2 or consecutive_views(moments) is not None:
+            continue
+        flat = torch.cat([moment.reshape(-1) for moment in moments])
+        pieces = flat.split([moment.numel() for moment in moments])
+        for state_dict, piece, moment in zip(group, pieces, moments):
+            state_dict[key] = piece.view(moment.shape)
+
+
+def _state_values(state_dicts: list[dict]) -> list:
+    """Every value of the state dicts, in order. The plan holds them and compares by identity
+    (``is``): ids alone could match a new tensor at a freed one's address."""
+    return [*chain.from_iterable(map(dict.values, state_dicts))]
+
+
+class GroupPlan:
+    """One param group's step, planned from its parameters that have a gradient and their
+    (already created) states; see the module docstring for when it is reused."""
+
+    def __init__(self, params: list[torch.Tensor], state: dict, backend: str):
+        self.param_ids = [*map(id, params)]
+        self.state = state
+        self.backend = backend
+        grads = [*map(_GRAD, params)]
+        self.has_grad = [grad is not None for grad in grads]
+        self.with_grad = [param for param, has in zip(params, self.has_grad) if has]
+        grads = [grad for grad in grads if grad is not None]
+        self.addresses = [*map(_DATA_PTR, self.with_grad)]
+        self.param_facts = [*map(_PARAM_FACTS, self.with_grad)]
+        self.grad_facts = [(dtype, shape, False) for dtype, shape in self.param_facts]
+        self.state_dicts = [state[param] for param in self.with_grad]
+        # The step counts become 0-d views of one tensor, so one add advances them all: a
+        # foreach add over separate 0-d CPU tensors is a loop of dispatcher calls, ~1.6 us per
+        # parameter (benchmarks/bench_host_overhead.py). Their values and dtype stay as they were.
+        self.step_counts = None
+        if self.state_dicts:
+            self.step_counts = torch.stack([state_dict["step"] for state_dict in self.state_dicts])
+            for state_dict, count in zip(self.state_dicts, self.step_counts):
+                state_dict["step"] = count
+            self.expected_steps = self.step_counts.clone()
+        _flatten_float_moments(self.state_dicts)
+        self.state_values = _state_values(self.state_dicts)
+        self.has_dtensor = any(map(sharding.is_dtensor, self.with_grad))
+        local = sharding.local  # FSDP2: each rank steps its own shards
+        entries = [
+            ParamStep(local(param), local(grad), local(s["exp_avg"]), local(s["exp_avg_sq"]),
+                               local(s.get("max_exp_avg_sq")), s["step"])
+            for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
+        ]
+        self.adamw = dispatch.AdamWPlan(entries, backend, self.with_grad)
+
+    def gradients(self, params: list[torch.Tensor], state: dict, backend: str) -> list[torch.Tensor] | None:
+        """The gradients to step with (of the parameters that have one, in order), or ``None``
+        if anything the plan depends on has changed or a gradient does not fit its parameter
+        (the caller then checks the gradients properly and plans again)."""
+        if (state is not self.state or backend != self.backend
+                or [*map(id, params)] != self.param_ids):
+            return None
+        grads = [*map(_GRAD, params)]
+        if [grad is not None for grad in grads] != self.has_grad:
+            return None
+        if len(grads) != len(self.with_grad):
+            grads = [grad for grad in grads if grad is not None]
+        with_grad = self.with_grad
+        if ([*map(_DATA_PTR, with_grad)] != self.addresses
+                or [*map(_PARAM_FACTS, with_grad)] != self.param_facts
+                or [*map(_GRAD_FACTS, grads)] != self.grad_facts):
+            return None
+        if any(map(is_not, map(state.get, with_grad), self.state_dicts)):
+            return None
+        # By identity (``==`` on tensors would compare values); the length first, as ``map``
+        # stops at the shorter list and a key added at the end would go unseen.
+        values = _state_values(self.state_dicts)
+        if len(values) != len(self.state_values) or any(map(is_not, values, self.state_values)):
+            return None
+        if self.has_dtensor:
+            grads = [*map(sharding.local, grads)]
+        return grads
+
+    def steps_unchanged(self) -> bool:
+        """Whether the step counts are where this plan's last step left them (one changed in
+        place may no longer share its kind's)."""
+        return self.step_counts is None or torch.equal(self.step_counts, self.expected_steps)
+
+    def step(self, grads: list[torch.Tensor], **options) -> None:
+        """Advance the step counts and step every parameter (``dispatch.AdamWPlan.run``)."""
+        if self.step_counts is None:
+            return
+        self.step_counts += 1
+        self.expected_steps += 1
+        self.adamw.run(grads, **options)
