@@ -149,7 +149,7 @@ class AdamWPlan:
 
             self.triton = kernels.StepGroupPlan([entries[i] for i in triton_entries])
 
-    def _compiled_step(self, entry, grad, scalars, scratch, maximize, stochastic_round,
+    def _compiled_step(self, entry, grad, scalars, scratch, *, maximize, stochastic_round,
                        decoupled_weight_decay):
         """A quantized parameter through ``quantized_adamw_step`` (compiled unless the backend
         is ``"eager"``)."""
@@ -175,8 +175,9 @@ class AdamWPlan:
             grad = grads[index]
             scalars = StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step)
             if grad.dtype != entry.param.dtype:  # planned with a gradient of the parameter's dtype
-                self._compiled_step(entry, grad, scalars, scratch, maximize, stochastic_round,
-                                    decoupled_weight_decay)
+                self._compiled_step(entry, grad, scalars, scratch, maximize=maximize,
+                                    stochastic_round=stochastic_round,
+                                    decoupled_weight_decay=decoupled_weight_decay)
                 continue
             cpu_kernel.cpu_adamw_step(
                 entry.param, grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq, scalars,
@@ -186,7 +187,8 @@ class AdamWPlan:
         for index, entry in self.quantized:
             self._compiled_step(entry, grads[index],
                                 StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step),
-                                scratch, maximize, stochastic_round, decoupled_weight_decay)
+                                scratch, maximize=maximize, stochastic_round=stochastic_round,
+                                decoupled_weight_decay=decoupled_weight_decay)
         for indices, step, float_state in self.float_state:
             float_state.step(
                 [grads[i] for i in indices], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
