@@ -9,6 +9,12 @@ hardware.
     python benchmarks/bench_step.py                       # ours + torch, + peers installed
     python benchmarks/bench_step.py --optimizers lowbit_4bit torch_adamw --cache warm
     python benchmarks/bench_step.py --threads 1 --out bench_out/bench_step_1t.json
+    LOWBIT_OPTIM_CPU_ISA=avx2 python benchmarks/bench_step.py --optimizers torch_adamw lowbit_4bit
+
+``lowbit_8bit``/``lowbit_4bit``/``lowbit_fp8`` use the default backend (on CPU the C++ kernel,
+``lowbit_optim.step.cpu_kernel``, on its widest instruction set unless ``LOWBIT_OPTIM_CPU_ISA``
+says otherwise; the table's heading names the one used); the ``_compile`` rows pin
+``backend="compile"``.
 
 Besides wall-clock time, each row records the process CPU time per step (all threads): on a
 machine shared with other work, wall time swings with the load while CPU time at one thread
@@ -31,9 +37,11 @@ import torch  # noqa: E402
 
 from lowbit_optim import state_bytes  # noqa: E402
 from lowbit_optim.bench import harness  # noqa: E402
+from lowbit_optim.step import cpu_kernel  # noqa: E402
 
 DEFAULT_OPTIMIZERS = ("torch_adamw", "torch_adamw_foreach", "lowbit_8bit", "lowbit_4bit", "lowbit_fp8",
-                      "lowbit_4bit_factored", *harness.PEERS)
+                      "lowbit_4bit_factored", "lowbit_8bit_compile", "lowbit_4bit_compile",
+                      "lowbit_fp8_compile", *harness.PEERS)
 LAYERS, WIDTH = 10, 1024
 
 
@@ -57,6 +65,7 @@ def measure(name: str, steps: int, warmup: int) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     return {
         "optimizer": name,
+        "backend": getattr(optimizer, "backend", None),
         "label": harness.OPTIMIZERS[name].label,
         "params": num_params,
         "step_ms": harness.median_ms(seconds),
@@ -77,6 +86,7 @@ def run_isolated(name: str, args) -> dict:
 
 COLUMNS = [
     harness.Column("optimizer", "label"),
+    harness.Column("backend", "backend"),
     harness.Column("ms/step (median)", "step_ms", "{:.1f}"),
     harness.Column("x torch fused", "vs_fused", "{:.1f}x"),
     harness.Column("CPU ms/step", "cpu_ms", "{:.1f}"),
@@ -120,10 +130,12 @@ def main(argv=None) -> int:
     env = harness.environment(torch.device("cpu"))
     env["torch_threads"] = rows[0]["threads"]  # the workers' (OMP_NUM_THREADS), not this process's
     config = {"model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False) fp32", "steps": args.steps,
-              "warmup": args.warmup, "cache": args.cache, "threads": rows[0]["threads"]}
+              "warmup": args.warmup, "cache": args.cache, "threads": rows[0]["threads"],
+              "cpu_kernel_isa": cpu_kernel.default_isa()}
     harness.report(args.out, "step", rows, COLUMNS, env=env, config=config,
                    heading=f"{config['model']}, {rows[0]['params'] / 1e6:.2f}M params, "
-                           f"{args.cache} compile cache; {harness.machine_line(env)}")
+                           f"{args.cache} compile cache, CPU kernel path {config['cpu_kernel_isa']}; "
+                           f"{harness.machine_line(env)}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
 
+from lowbit_optim.checkpoint.master_weights import load_master_weights, master_weights_state_dict
 from lowbit_optim.formats.catalog import FORMATS, QuantFormat
 from lowbit_optim.offload import CPUOffloadOptimizer
 from lowbit_optim.optim import (
@@ -37,6 +38,8 @@ __all__ = [
     "GradientRelease",
     "LostUpdates",
     "LowBitAdamW",
+    "load_master_weights",
+    "master_weights_state_dict",
     "QuantFormat",
     "QuantizedState",
     "RoundingLossWarning",

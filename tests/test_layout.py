@@ -17,7 +17,10 @@ LAYERS = ["formats", "state", "step", "checkpoint", "optim", "offload", "integra
 # Imports inside functions are for optional dependencies only: the third-party packages a
 # plain install does not have, and our modules that import one of them.
 OPTIONAL = {"triton", "transformers", "torchao", "bitsandbytes", "tqdm", "matplotlib"}
-NEEDS_OPTIONAL = {"lowbit_optim.step.kernels": "triton", "lowbit_optim.bench.plots": "matplotlib"}
+NEEDS_OPTIONAL = {"lowbit_optim.step.kernels": "triton", "lowbit_optim.bench.plots": "matplotlib",
+                  # imports setuptools, which a plain Python 3.12 environment lacks: the C++ CPU
+                  # step then falls back with a warning instead of the package failing to import
+                  "torch.utils.cpp_extension": "setuptools"}
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -63,6 +63,9 @@ def parse_args(argv):
                              f"(default: {' '.join(DEFAULT_OPTIMIZERS)}); peers that are not "
                              "installed are skipped")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's parameter dtype (bfloat16: pair with the *_mw24 optimizers "
+                             "for 24-bit master weights)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     parser.add_argument("--seeds", type=int, nargs="+",
                         help="several seeds: report means and the seed spread (overrides --seed)")
@@ -100,6 +103,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
                                            "state_bytes_per_param")}
         row.update(
             seeds=[run["seed"] for run in seeds],
+            training_bytes_per_param=first.get("training_bytes_per_param"),
             peak_memory_bytes=max(run["peak_memory_bytes"] for run in seeds),
             peak_memory_mib=max(run["peak_memory_bytes"] for run in seeds) / 2**20,
             first_step_s=first["first_step_s"],  # later seeds reuse the compiled graphs
@@ -128,6 +132,7 @@ def table_columns(multi_seed: bool) -> list[harness.Column]:
     columns = [
         harness.Column("optimizer", "label"),
         harness.Column("state B/param", "state_bytes_per_param", "{:.2f}"),
+        harness.Column("training B/param", "training_bytes_per_param", "{:.2f}"),
         harness.Column("saving vs fp32", "state_saving", "{:.2f}x"),
         harness.Column("peak MiB", "peak_memory_mib", "{:.1f}"),
         harness.Column("opt step ms", "step_ms", "{:.1f}"),
@@ -168,6 +173,7 @@ def main(argv=None) -> int:
     def config_for(seed: int) -> TrainConfig:
         return TrainConfig(weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=max(1, steps // 10),
                            min_lr_ratio=0.1, grad_clip=args.grad_clip or None, seed=seed,
+                           param_dtype=args.param_dtype,
                            **preset)
 
     from tqdm.auto import tqdm

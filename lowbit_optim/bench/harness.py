@@ -5,6 +5,7 @@ Used by ``python -m lowbit_optim.bench`` and the micro-benchmarks in ``benchmark
 """
 
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -76,6 +77,20 @@ OPTIMIZERS = {
         OptimizerSpec("lowbit_4bit", "lowbit_optim AdamW4bit", None, AdamW4bit),
         OptimizerSpec("lowbit_fp8", "lowbit_optim AdamWFp8", None, AdamWFp8),
         OptimizerSpec("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit", None, AdamWFactored4bit),
+        # With bf16 parameters (--param-dtype bfloat16): 24-bit master weights, an int8 correction.
+        *(OptimizerSpec(f"{name}_mw24", f"{label} + 24-bit master", None,
+                        functools.partial(cls, master_weight_bits=24))
+          for name, label, cls in (("lowbit_8bit", "lowbit_optim AdamW8bit", AdamW8bit),
+                                   ("lowbit_4bit", "lowbit_optim AdamW4bit", AdamW4bit),
+                                   ("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit",
+                                    AdamWFactored4bit))),
+        # The compiled step on purpose (on CPU the default is the C++ kernel where it builds).
+        OptimizerSpec("lowbit_8bit_compile", "lowbit_optim AdamW8bit (backend='compile')", None,
+                      lambda params, **hyper: AdamW8bit(params, backend="compile", **hyper)),
+        OptimizerSpec("lowbit_4bit_compile", "lowbit_optim AdamW4bit (backend='compile')", None,
+                      lambda params, **hyper: AdamW4bit(params, backend="compile", **hyper)),
+        OptimizerSpec("lowbit_fp8_compile", "lowbit_optim AdamWFp8 (backend='compile')", None,
+                      lambda params, **hyper: AdamWFp8(params, backend="compile", **hyper)),
         OptimizerSpec("torchao_8bit", "torchao AdamW8bit", "torchao", _torchao("AdamW8bit")),
         OptimizerSpec("torchao_4bit", "torchao AdamW4bit", "torchao", _torchao("AdamW4bit")),
         OptimizerSpec("torchao_fp8", "torchao AdamWFp8", "torchao", _torchao("AdamWFp8")),

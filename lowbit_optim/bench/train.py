@@ -2,7 +2,10 @@
 
 What is measured and how:
 - state bytes: ``lowbit_optim.state_bytes`` after training (the moments' tensors, inner
-  tensors of quantized states; fp32 AdamW is 8 bytes/param).
+  tensors of quantized states; fp32 AdamW is 8 bytes/param; master weight corrections).
+- training bytes: what persists for training, per parameter: the parameters, the optimizer
+  state (moments and corrections) and the gradients held when the last step begins (after
+  backward; none where the step ran during backward).
 - optimizer step time: wall time of ``optimizer.step()`` alone; the first call (which
   compiles, for compiled optimizers) is reported separately, the rest as a median. The
   train step time adds forward, backward and ``zero_grad``.
@@ -46,6 +49,8 @@ class TrainConfig:
     seed: int
     # Clip the global gradient norm to this before each step (the GPT recipe), or None.
     grad_clip: float | None = None
+    # The parameters' dtype ("float32" or "bfloat16"; the model computes in it too).
+    param_dtype: str = "float32"
 
 
 def warmup_cosine(config: TrainConfig):
@@ -102,7 +107,7 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
           progress=None) -> dict:
     """Train ``ByteGPT`` with optimizer ``name``; returns one result row (see module doc)."""
     torch.manual_seed(config.seed)
-    model = ByteGPT(config.model).to(device)
+    model = ByteGPT(config.model).to(device=device, dtype=getattr(torch, config.param_dtype))
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = harness.make_optimizer(name, model.parameters(), lr=config.lr,
                                        betas=config.betas, weight_decay=config.weight_decay)
@@ -123,6 +128,7 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
     first_step_s = graphs_after_first = None
     for step in range(config.steps):
         forward_s = harness.timed(functools.partial(forward_backward, step), device)
+        held_gradient_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
         optimizer_s = harness.timed(optimizer.step, device)
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
@@ -156,6 +162,7 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
         peak = cpu_step_peak_bytes(extra_step, model, optimizer)
 
     moments = state_bytes(optimizer)
+    training_bytes = sum(p.nbytes for p in model.parameters()) + moments + held_gradient_bytes
     return {
         "optimizer": name,
         "label": harness.OPTIMIZERS[name].label,
@@ -163,6 +170,8 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
         "params": num_params,
         "state_bytes": moments,
         "state_bytes_per_param": moments / num_params,
+        "param_dtype": config.param_dtype,
+        "training_bytes_per_param": training_bytes / num_params,
         "peak_memory_bytes": peak,
         "first_step_s": first_step_s,
         "step_ms": harness.median_ms(step_seconds),

@@ -32,10 +32,17 @@ from lowbit_optim.state.sharding import (
     quantized_from_float,
     wrap_like,
 )
+from lowbit_optim.step.master_weights import (
+    CORRECTION_KEY,
+    check_loaded_correction,
+    needs_correction,
+    read_master,
+    zeros_correction,
+)
 from lowbit_optim.step.math import compute_dtype
 
 # Group options only this package has; a state dict without them was saved by another optimizer.
-LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round")
+LOWBIT_GROUP_KEYS = ("block_size", "min_quant_size", "bf16_stochastic_round", "master_weight_bits")
 # The moment kinds that are not plain tensors: blockwise codes, and factored statistics.
 STORED_MOMENTS = (QuantizedState, FactoredState)
 # torch.optim.AdamW's implementation choices, with the values our exported state dicts give
@@ -127,6 +134,8 @@ def validate_state_dict(optimizer, state_dict, slots: dict | None = None) -> Non
             raise ValueError(f"{slot.label}: state has max_exp_avg_sq but its group has amsgrad=False")
         for key in keys:
             _check_moment(optimizer, slot, group, key, entry[key])
+        check_loaded_correction(slot.label, slot.param, group["master_weight_bits"],
+                                entry.get(CORRECTION_KEY))
 
 
 def _check_step(slot: _Slot, step) -> None:
@@ -226,6 +235,7 @@ class PreparedLoad:
     held: dict
 
     def finish(self, optimizer) -> None:
+        bits_of = {id(p): g["master_weight_bits"] for g in optimizer.param_groups for p in g["params"]}
         for saved_id, (order, values) in self.held.items():
             param = self.slots[saved_id].param
             state = dict(optimizer.state[param])
@@ -233,8 +243,15 @@ class PreparedLoad:
                 if key == "step":
                     # Our steps read it as a 0-d CPU float32 tensor whatever the device.
                     state[key] = torch.as_tensor(value).to(device="cpu", dtype=torch.float32)
+                elif key == CORRECTION_KEY:  # an integer tensor, kept as saved
+                    state[key] = value.to(device=param.device)
                 else:
                     state[key] = value.to(device=param.device, dtype=compute_dtype(param))
+            bits = bits_of[id(param)]
+            if needs_correction(param, bits) and CORRECTION_KEY not in state:
+                # Saved without master weights: the master weight starts as the parameter.
+                state[CORRECTION_KEY] = zeros_correction(param, bits)
+                order = [*order, CORRECTION_KEY]
             optimizer.state[param] = {key: state[key] for key in order}
 
 
@@ -258,7 +275,9 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
     validate_state_dict(optimizer, state_dict, slots)
     state, held = {}, {}
     for saved_id, entry in state_dict["state"].items():
-        keep = {k: v for k, v in entry.items() if k != "step" and not _is_plain_moment(k, v)}
+        # Held back from torch's cast to the parameter's dtype too: the integer correction.
+        keep = {k: v for k, v in entry.items()
+                if k not in ("step", CORRECTION_KEY) and not _is_plain_moment(k, v)}
         held[saved_id] = (list(entry), {k: v for k, v in entry.items() if k not in keep})
         state[saved_id] = keep
     return PreparedLoad({**state_dict, "state": state}, slots, held)
@@ -376,7 +395,7 @@ def _carried_moment(optimizer, param, group: dict, key: str, value):
     return QuantizedState(value.codes, value.scales, fmt.name, param.shape, param.dtype)
 
 
-def to_torch_adamw(state_dict) -> dict:
+def to_torch_adamw(state_dict, *, params=None) -> dict:
     """A ``LowBitAdamW`` state dict as a plain ``torch.optim.AdamW`` one.
 
     Quantized moments are dequantized to float32 tensors of the parameter's shape (a factored
@@ -387,7 +406,24 @@ def to_torch_adamw(state_dict) -> dict:
     into another ``LowBitAdamW``. An ``Adam8bit``/``Adam4bit`` state dict keeps
     ``decoupled_weight_decay=False`` and loads into ``torch.optim.Adam``. Pass
     ``optimizer.state_dict()``; nothing is modified.
+
+    Master weight corrections (``master_weight_bits``) are no ``torch.optim.AdamW`` state: a
+    state dict holding them needs ``params``, the optimizer's parameters in the order of its
+    groups (``[p for g in optimizer.param_groups for p in g["params"]]``), and the result
+    gets ``"master_weights"``: parameter id -> float32 master weight for every parameter, in
+    group order (float32 copies of those without a correction), to copy into a float32 model
+    (``master_weights_state_dict`` gives the same by parameter name).
     """
+    ids = [saved_id for saved in state_dict["param_groups"] for saved_id in saved["params"]]
+    has_corrections = any(CORRECTION_KEY in entry for entry in state_dict["state"].values())
+    params = None if params is None else list(params)
+    if has_corrections and (params is None or len(params) != len(ids)):
+        raise ValueError(
+            f"this state dict holds master weight corrections ({CORRECTION_KEY}): pass params="
+            f"the optimizer's {len(ids)} parameters in group order, so that the master weights "
+            "are exported with it"
+        )
+    param_of = dict(zip(ids, params)) if has_corrections else {}
     groups = []
     for saved in state_dict["param_groups"]:
         group = {k: v for k, v in saved.items() if k not in LOWBIT_GROUP_KEYS}
@@ -397,17 +433,30 @@ def to_torch_adamw(state_dict) -> dict:
                 group[key] = float(group[key])
         group.update(TORCH_ADAMW_GROUP_OPTIONS)
         groups.append(group)
-    state = {}
+    state, master_weights = {}, {}
     for saved_id, entry in state_dict["state"].items():
         converted = {}
         for key, value in entry.items():
+            if key == CORRECTION_KEY:
+                param = local(param_of[saved_id]).detach()
+                master_weights[saved_id] = read_master(param, local(value)).clone()
+                continue
             if isinstance(value, STORED_MOMENTS):
                 value = value.dequantize(torch.float32)
             elif isinstance(value, torch.Tensor):
                 value = value.detach().to(torch.float32, copy=True)
             converted[key] = value
         state[saved_id] = converted
+    if has_corrections:
+        # Every parameter, in group order: those without a correction as float32 copies.
+        master_weights = {saved_id: master_weights.get(saved_id, _float32_copy(param_of[saved_id]))
+                          for saved_id in ids}
+        return {"state": state, "param_groups": groups, "master_weights": master_weights}
     return {"state": state, "param_groups": groups}
+
+
+def _float32_copy(param: torch.Tensor) -> torch.Tensor:
+    return local(param).detach().to(torch.float32, copy=True)
 
 
 def _map_moments(state_dict: dict, slots: dict, convert) -> dict:
@@ -476,9 +525,12 @@ def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
 def _with_current_group_options(optimizer, state_dict: dict) -> dict:
     """``state_dict`` with every group option it predates (``decoupled_weight_decay`` in
     checkpoints saved before the Adam classes) set to this optimizer's current value, since
-    ``Optimizer.load_state_dict`` replaces the groups by the saved ones."""
+    ``Optimizer.load_state_dict`` replaces the groups by the saved ones. ``master_weight_bits``
+    is always the optimizer's own: it says which state the parameters keep, so a checkpoint
+    saved without master weights can resume with them (the corrections start at zero) and
+    one whose corrections do not fit is refused (``check_loaded_correction``)."""
     groups = []
     for saved, own in zip(state_dict["param_groups"], optimizer.param_groups):
         missing = {k: v for k, v in own.items() if k not in saved and k not in ("params", "param_names")}
-        groups.append({**saved, **missing})
+        groups.append({**saved, **missing, "master_weight_bits": own["master_weight_bits"]})
     return {**state_dict, "param_groups": groups}

@@ -23,8 +23,8 @@ class AdamW8bit(LowBitAdamW):
     ``AdamW8bit(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
     amsgrad=False, *, maximize=False, foreach=None, capturable=False, differentiable=False,
     fused=None, block_size=256, min_quant_size=4096, bf16_stochastic_round=False,
-    backend=None)``: ``fused``/``foreach`` change nothing (the step is always fused),
-    ``capturable=True``/``differentiable=True`` are refused.
+    master_weight_bits=None, backend=None)``: ``fused``/``foreach`` change nothing (the step
+    is always fused), ``capturable=True``/``differentiable=True`` are refused.
     """
 
     exp_avg_format = DYNAMIC_8BIT_SIGNED

@@ -5,6 +5,8 @@ The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state format
 behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
 moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
 float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
+With ``master_weight_bits`` (24 or 32), each bfloat16 parameter also keeps an integer
+correction that makes it a 24- or 32-bit master weight (``master_weights``).
 ``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
 the optimizer owns (see ``hyperparams``).
 """
@@ -19,6 +21,13 @@ from lowbit_optim.state.quantized import MOMENT_KEYS
 from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
 from lowbit_optim.step.hyperparams import GroupScalars, check_hyperparameters
+from lowbit_optim.step.master_weights import (
+    CORRECTION_KEY,
+    check_master_weight_options,
+    check_master_weight_param,
+    needs_correction,
+    zeros_correction,
+)
 from lowbit_optim.step.math import compute_dtype
 from lowbit_optim.step.plan import GroupPlan
 
@@ -47,7 +56,7 @@ class LowBitAdamW(Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, block_size=None, min_quant_size=4096,
-                 bf16_stochastic_round=False, backend=None):
+                 bf16_stochastic_round=False, master_weight_bits=None, backend=None):
         """``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
         ``torch.optim.AdamW``'s implementation choices, taken so that code written for it
         runs unchanged, and kept in the param groups as torch keeps them. The step is always
@@ -61,12 +70,24 @@ class LowBitAdamW(Optimizer):
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused, block_size=block_size,
             min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
+            master_weight_bits=master_weight_bits,
             decoupled_weight_decay=self.decoupled_weight_decay,
         )
         self._init_step_helpers()
         super().__init__(params, defaults)
         # From the parameters' devices: None picks "triton" only when they are all CUDA.
         self.backend = resolve_backend(backend, self._devices())
+        if backend == "triton":
+            for group in self.param_groups:
+                self._refuse_triton_master_weights(group)
+
+    def _refuse_triton_master_weights(self, group: dict) -> None:
+        if group["master_weight_bits"] is not None:
+            raise ValueError(
+                f"Invalid master_weight_bits: {group['master_weight_bits']!r} with "
+                "backend='triton' (the Triton kernel has no master weight variant yet); use "
+                "backend=None, which steps parameters with master weights through the compiled step"
+            )
 
     def _init_step_helpers(self) -> None:
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
@@ -91,6 +112,7 @@ class LowBitAdamW(Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("bf16_stochastic_round", False)
+            group.setdefault("master_weight_bits", None)
             group.setdefault("block_size", self.exp_avg_format.default_block_size)
             group.setdefault("min_quant_size", 4096)
             group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
@@ -124,6 +146,9 @@ class LowBitAdamW(Optimizer):
             tensor = _tensor_of(param)
             if isinstance(tensor, torch.Tensor):
                 self._check_param(tensor)
+                check_master_weight_param(tensor, candidate["master_weight_bits"], type(self).__name__)
+        if getattr(self, "backend", None) == "triton":
+            self._refuse_triton_master_weights(candidate)
         if not isinstance(params, set):
             self._refuse_duplicates(params)
         super().add_param_group(param_group)
@@ -181,6 +206,7 @@ class LowBitAdamW(Optimizer):
         min_quant_size = group["min_quant_size"]
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
+        check_master_weight_options(group["master_weight_bits"], group["bf16_stochastic_round"])
         for key in ("foreach", "fused"):
             if not (group[key] is None or isinstance(group[key], bool)):
                 raise ValueError(f"Invalid {key}: {group[key]!r} (None, True or False is needed)")
@@ -229,6 +255,8 @@ class LowBitAdamW(Optimizer):
             else:
                 state[key] = torch.zeros_like(param, dtype=compute_dtype(param),
                                               memory_format=torch.preserve_format)
+        if needs_correction(param, group["master_weight_bits"]):
+            state[CORRECTION_KEY] = zeros_correction(param, group["master_weight_bits"])
 
     # --- the step -----------------------------------------------------------------------
     def _check_grads(self, group: dict) -> None:
@@ -333,6 +361,7 @@ class LowBitAdamW(Optimizer):
         local shards."""
         for param in group["params"]:
             if param.grad is not None:
+                check_master_weight_param(param, group["master_weight_bits"], type(self).__name__)
                 state = self.state[param]
                 if not state:
                     self._init_state(param, group, state)

@@ -43,7 +43,8 @@ class PlannedStep(NamedTuple):
 
 
 class ParamStep(NamedTuple):
-    """One parameter's share of a step: the tensors it updates and its step count."""
+    """One parameter's share of a step: the tensors it updates and its step count, and a
+    bfloat16 parameter's master weight correction (``master_weights``) if it keeps one."""
 
     param: torch.Tensor
     grad: torch.Tensor
@@ -51,6 +52,7 @@ class ParamStep(NamedTuple):
     exp_avg_sq: torch.Tensor
     max_exp_avg_sq: torch.Tensor | None
     step: torch.Tensor
+    weight_correction: torch.Tensor | None = None
 
 
 def with_own_code_object(fn, name: str):
@@ -61,9 +63,9 @@ def with_own_code_object(fn, name: str):
     budget of graphs (one per parameter dtype and flag combination), instead of sharing one.
     """
     code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return functools.update_wrapper(
-        types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__), fn
-    )
+    copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__  # the keyword-only defaults (FunctionType drops them)
+    return functools.update_wrapper(copy, fn)
 
 
 class TailScratch:
@@ -90,38 +92,48 @@ class TailScratch:
 
 
 def for_each_block_chunk(param: torch.Tensor, grad: torch.Tensor, block_size: int,
-                         scratch: TailScratch, update) -> None:
-    """Run ``update(param_blocks, grad_blocks, block_rows, first_element)`` over ``param``'s
-    blocks in place: its whole blocks a bounded chunk at a time (``CHUNK_ELEMENTS``; every
-    chunk reuses the compiled graph), then its last, partial block through a zero-padded
-    scratch block. ``block_rows`` are the chunk's rows of the block-shaped state and
-    ``first_element`` its offset in the flattened parameter. A non-contiguous parameter
-    steps a contiguous copy, written back at the end."""
+                         scratch: TailScratch, update, *,
+                         weight_correction: torch.Tensor | None = None) -> None:
+    """Run ``update(param_blocks, grad_blocks, block_rows, first_element, correction_blocks)``
+    over ``param``'s blocks in place: its whole blocks a bounded chunk at a time
+    (``CHUNK_ELEMENTS``; every chunk reuses the compiled graph), then its last, partial block
+    through a zero-padded scratch block. ``block_rows`` are the chunk's rows of the
+    block-shaped state and ``first_element`` its offset in the flattened parameter;
+    ``correction_blocks`` the same blocks of ``weight_correction`` (a master weight
+    correction shaped like ``param``), ``None`` without one. A non-contiguous parameter
+    (or correction) steps a contiguous copy, written back at the end."""
     # Detached, so views of a leaf that requires grad and the scratch buffers look alike to
     # the compiled graph's guards.
-    param = param.detach()
-    work = param if param.is_contiguous() else param.contiguous()
-    flat_param = work.view(-1)
+    tensors = [param.detach()] + ([] if weight_correction is None else [weight_correction])
+    works = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    flats = [work.view(-1) for work in works]
+    flat_param = flats[0]
     flat_grad = grad.detach().reshape(-1)
     whole_blocks, tail = divmod(flat_param.numel(), block_size)
     chunk_blocks = max(1, CHUNK_ELEMENTS // block_size)
     for first in range(0, whole_blocks, chunk_blocks):
         count = min(chunk_blocks, whole_blocks - first)
         elements = slice(first * block_size, (first + count) * block_size)
-        update(flat_param[elements].view(count, block_size), flat_grad[elements].view(count, block_size),
-               slice(first, first + count), first * block_size)
+        blocks = [flat[elements].view(count, block_size) for flat in flats]
+        update(blocks[0], flat_grad[elements].view(count, block_size),
+               slice(first, first + count), first * block_size, blocks[1] if len(blocks) > 1 else None)
     if tail:
         start = whole_blocks * block_size
-        param_block = scratch.get(flat_param, block_size, "param")
+        roles = ("param", "correction")
+        tail_blocks = [scratch.get(flat, block_size, role) for flat, role in zip(flats, roles)]
         grad_block = scratch.get(flat_grad, block_size, "grad")
-        param_block[0, :tail].copy_(flat_param[start:])
+        for block, flat in zip(tail_blocks, flats):
+            block[0, :tail].copy_(flat[start:])
+            # The padding must be zeros, not the last parameter's values: its moments then
+            # stay exactly 0 and never set the block's scale, so neither the parameter order
+            # nor a resumed run's fresh buffers change the result (tests/test_checkpoint.py).
+            block[0, tail:].zero_()
         grad_block[0, :tail].copy_(flat_grad[start:])
-        # The padding must be zeros, not the last parameter's values: its moments then stay
-        # exactly 0 and never set the block's scale, so neither the parameter order nor a
-        # resumed run's fresh buffers change the result (tests/test_checkpoint.py).
-        param_block[0, tail:].zero_()
         grad_block[0, tail:].zero_()
-        update(param_block, grad_block, slice(whole_blocks, None), start)
-        flat_param[start:].copy_(param_block[0, :tail])
-    if work is not param:
-        param.copy_(work)
+        update(tail_blocks[0], grad_block, slice(whole_blocks, None), start,
+               tail_blocks[1] if len(tail_blocks) > 1 else None)
+        for block, flat in zip(tail_blocks, flats):
+            flat[start:].copy_(block[0, :tail])
+    for tensor, work in zip(tensors, works):
+        if work is not tensor:
+            tensor.copy_(work)

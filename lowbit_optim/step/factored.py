@@ -36,6 +36,7 @@ from lowbit_optim.state import sharding
 from lowbit_optim.state.factored import factor_shape, normalized_columns
 from lowbit_optim.step import chunks
 from lowbit_optim.step.chunks import for_each_block_chunk, with_own_code_object
+from lowbit_optim.step.master_weights import read_master, write_master
 from lowbit_optim.step.math import (
     adam_ratio_bound,
     bias_corrections,
@@ -104,11 +105,13 @@ class FactoredScalars(NamedTuple):
 
 
 def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp_avg_format: QuantFormat,
-                        maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool):
+                        maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool,
+                        weight_correction: torch.Tensor | None = None):
     """Whole blocks ``(n, block_size)`` of a parameter starting at flat element
     ``scalars.first_element``, in place: the first moment's codes and scales and the
     parameter. Elements past the parameter's end (a padded last block) read the last row's
-    statistics."""
+    statistics. ``weight_correction``: the same blocks of a bfloat16 parameter's master
+    weight correction (``master_weights``), or ``None``."""
     param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized = blocks
     first_element, columns, lr, beta1, eps, weight_decay = scalars[:6]
     dtype = compute_dtype(param)
@@ -116,6 +119,7 @@ def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp
     exp_avg_parts = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
+    weight_correction_parts = None if weight_correction is None else exp_avg_format.split(weight_correction)
     part_width = block_size // len(param_parts)
     block_starts = first_element + torch.arange(blocks, device=param.device)[:, None] * block_size
     corrections = (scalars.bias_correction1, scalars.bias_correction2_sqrt)
@@ -126,6 +130,8 @@ def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp
         row_index = flat // columns
         col_index = flat - row_index * columns
         second_moment = row[row_index.clamp(max=row.shape[0] - 1)] * col_normalized[col_index]
+        if weight_correction_parts is not None:
+            param_part = read_master(param_part, weight_correction_parts[index])
         old_param, exp_avg = param_part.to(dtype), exp_avg_parts[index].to(dtype)
         finite, safe_grad = effective_gradient(old_param, grad_parts[index].to(dtype),
                                                weight_decay=weight_decay, maximize=maximize,
@@ -141,8 +147,11 @@ def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp
     codes, scales = exp_avg_format.encode_parts(new_exp_avgs)
     exp_avg_codes.copy_(codes)
     exp_avg_scales.copy_(scales)
-    for param_part, new_param in zip(param_parts, new_params):
-        write_param(param_part, new_param, stochastic_round=stochastic_round)
+    for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
+        if weight_correction_parts is not None:
+            write_master(param_part, weight_correction_parts[index], new_param)
+        else:
+            write_param(param_part, new_param, stochastic_round=stochastic_round)
 
 
 class FactoredFunctions(NamedTuple):
@@ -256,6 +265,8 @@ class FactoredParams:
         factored = entry.exp_avg_sq
         rows, columns = factored.row.numel(), factored.col.numel()
         param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
+        if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
+            param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
         grad_matrix = entry.grad.detach().reshape(rows, columns)
         # 0-d int64 inputs, filled in place: sizes as tensors, so no size is a guarded constant.
         columns_scalar = scratch.index_scalar("columns").fill_(columns)
@@ -278,7 +289,7 @@ class FactoredParams:
         """Pass 2: the first moment and the parameter, a bounded chunk of whole quantization
         blocks at a time (``step_scalars``: the two bias corrections and Adam's bound)."""
 
-        param, grad, exp_avg, factored, _, _ = entry
+        param, grad, exp_avg, factored, _, _, weight_correction = entry
         compiled = backend == "compile"
         update_step = compiled_functions(exp_avg.format).update if compiled else factored_adamw_step
         # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
@@ -289,10 +300,16 @@ class FactoredParams:
         scalars = FactoredScalars(first_element_scalar, columns_scalar, hyper.lr, hyper.beta1, hyper.eps,
                                   hyper.weight_decay, *step_scalars)
 
-        def update(param_blocks, grad_blocks, block_rows: slice, first_element: int):
+        def update(param_blocks, grad_blocks, block_rows: slice, first_element: int, correction_blocks):
             first_element_scalar.fill_(first_element)
             blocks = FactoredBlocks(param_blocks, grad_blocks, exp_avg.codes[block_rows],
                                     exp_avg.scales[block_rows], factored.row, col_normalized)
-            _call(update_step, compiled, [(tensor, (0,)) for tensor in blocks], blocks, scalars, **options)
+            dynamic = [(tensor, (0,)) for tensor in blocks]
+            master = {}
+            if correction_blocks is not None:
+                dynamic.append((correction_blocks, (0,)))
+                master["weight_correction"] = correction_blocks
+            _call(update_step, compiled, dynamic, blocks, scalars, **options, **master)
 
-        for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
+        for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update,
+                             weight_correction=weight_correction)

@@ -4,6 +4,7 @@
 
 import torch
 
+from lowbit_optim.step.master_weights import read_master, split_master
 from lowbit_optim.step.math import adamw_update, compute_dtype, round_to_bfloat16_stochastic
 
 
@@ -64,16 +65,19 @@ class FloatStateStep:
     one; moments laid out as consecutive views of one tensor (``step.plan`` does that) are
     updated in place, others gathered and written back the same way (``_Flat``).
     ``max_exp_avg_sqs`` is ``None`` unless amsgrad is on. The moments are ``compute_dtype``
-    (float32; float64 for float64 parameters).
+    (float32; float64 for float64 parameters). ``weight_corrections``: the bfloat16 parameters'
+    master weight corrections (``master_weights``), or ``None`` without master weights.
     """
 
-    def __init__(self, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+    def __init__(self, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weight_corrections=None):
         self.params = list(params)
         self.moments = [list(exp_avgs), list(exp_avg_sqs)]
         if max_exp_avg_sqs is not None:
             self.moments.append(list(max_exp_avg_sqs))
         self.param_flat = _Flat(self.params)
         self.moment_flats = [_Flat(moments) for moments in self.moments]
+        self.weight_corrections = None if weight_corrections is None else list(weight_corrections)
+        self.weight_correction_flat = None if weight_corrections is None else _Flat(self.weight_corrections)
         # Gradients are new tensors at every step: only a buffer for them is kept.
         self.grad_buffer = None if len(self.params) == 1 else _Flat(self.params)
 
@@ -83,14 +87,22 @@ class FloatStateStep:
         grad = grads[0].reshape(-1) if self.grad_buffer is None else self.grad_buffer.gather(grads)
         exp_avg, exp_avg_sq, *max_exp_avg_sq = [
             flat.gather(tensors) for flat, tensors in zip(self.moment_flats, self.moments)]
+        param = self.param_flat.gather(self.params)
+        if self.weight_corrections is not None:
+            param = read_master(param, self.weight_correction_flat.gather(self.weight_corrections))
         new_param, *new_moments = adamw_update(
-            self.param_flat.gather(self.params).to(dtype), grad.to(dtype), exp_avg, exp_avg_sq,
+            param.to(dtype), grad.to(dtype), exp_avg, exp_avg_sq,
             max_exp_avg_sq[0] if max_exp_avg_sq else None,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
             maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
         )
         for flat, tensors, values in zip(self.moment_flats, self.moments, new_moments):
             flat.scatter(tensors, values)
+        if self.weight_corrections is not None:
+            rounded, remainder = split_master(new_param, self.weight_corrections[0].dtype)
+            self.param_flat.scatter(self.params, rounded)
+            self.weight_correction_flat.scatter(self.weight_corrections, remainder)
+            return
         if stochastic_round and self.params[0].dtype == torch.bfloat16:
             new_param = round_to_bfloat16_stochastic(new_param)
         self.param_flat.scatter(self.params, new_param)

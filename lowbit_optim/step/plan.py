@@ -41,6 +41,7 @@ from lowbit_optim.state.quantized import MOMENT_KEYS
 from lowbit_optim.step import dispatch
 from lowbit_optim.step.chunks import ParamStep
 from lowbit_optim.step.float_state import consecutive_views
+from lowbit_optim.step.master_weights import CORRECTION_KEY
 
 # Read with C-level getters in one pass per list: a parameter's dtype and shape as one tuple,
 # a gradient's with ``is_sparse`` (planned as False), so that a single list comparison checks
@@ -111,7 +112,7 @@ class GroupPlan:
         local = sharding.local  # FSDP2: each rank steps its own shards
         entries = [
             ParamStep(local(param), local(grad), local(s["exp_avg"]), local(s["exp_avg_sq"]),
-                               local(s.get("max_exp_avg_sq")), s["step"])
+                      local(s.get("max_exp_avg_sq")), s["step"], local(s.get(CORRECTION_KEY)))
             for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
         ]
         self.adamw = dispatch.AdamWPlan(entries, backend, self.with_grad)

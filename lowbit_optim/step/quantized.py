@@ -13,6 +13,7 @@ import torch.fx.experimental._config as fx_config
 
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.step.chunks import ParamStep, TailScratch, for_each_block_chunk, with_own_code_object
+from lowbit_optim.step.master_weights import read_master, write_master
 from lowbit_optim.step.math import (
     StepScalars,
     _step_constants_op,
@@ -36,13 +37,15 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
                          max_exp_avg_sq: StoredMoment | None, scalars: StepScalars, *,
                          exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat,
                          maximize: bool, stochastic_round: bool,
-                         decoupled_weight_decay: bool = True):
+                         decoupled_weight_decay: bool = True, weight_correction: torch.Tensor | None = None):
     """``math.adamw_update`` on blocks: dequantize -> update -> requantize, in place.
 
     ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; the moments are the stored
     tensors of their ``QuantizedState`` (the same rows), ``max_exp_avg_sq`` ``None`` unless
-    amsgrad is on. Only tensors are taken, so ``torch.compile`` traces it once per state kind
-    and parameter dtype, whatever the parameter's shape.
+    amsgrad is on. ``weight_correction``: the blocks of a bfloat16 parameter's master weight
+    correction (``master_weights``), whose master weight is read and written instead of the
+    parameter, or ``None``. Only tensors are taken, so ``torch.compile`` traces it once per
+    state kind, parameter dtype and correction dtype, whatever the parameter's shape.
     """
     # Each ``split`` slice of the blocks (the low and high halves for 4-bit, whose codes share
     # bytes; the whole block for 8-bit) is decoded, updated and encoded on its own and only
@@ -57,6 +60,7 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
     max_parts = exp_avg_sq_format.decode_parts(*max_exp_avg_sq) if amsgrad else None
     param_parts = exp_avg_format.split(param)
     grad_parts = exp_avg_format.split(grad)
+    weight_correction_parts = None if weight_correction is None else exp_avg_format.split(weight_correction)
 
     # On CPU, once per call (see _step_constants_op). Elsewhere inline, as before: the op's
     # 0-d results are CPU tensors made inside the graph, and whether Inductor passes those to
@@ -69,6 +73,8 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
         max_ratio = adam_ratio_bound(beta1, beta2, step)
     new_params, new_exp_avgs, new_exp_avg_sqs, new_maxes = [], [], [], []
     for index, param_part in enumerate(param_parts):
+        if weight_correction_parts is not None:
+            param_part = read_master(param_part, weight_correction_parts[index])
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adamw_update(
             param_part.to(dtype), grad_parts[index].to(dtype), exp_avg_parts[index].to(dtype),
             exp_avg_sq_parts[index].to(dtype), max_parts[index].to(dtype) if amsgrad else None,
@@ -89,8 +95,11 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
             target.codes.copy_(codes)
             target.scales.copy_(scales)
     # Written slice by slice: a torch.cat here made Inductor materialise its inputs.
-    for param_part, new_param in zip(param_parts, new_params):
-        write_param(param_part, new_param, stochastic_round=stochastic_round)
+    for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
+        if weight_correction_parts is not None:
+            write_master(param_part, weight_correction_parts[index], new_param)
+        else:
+            write_param(param_part, new_param, stochastic_round=stochastic_round)
 
 
 @functools.cache
@@ -115,7 +124,7 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
                        decoupled_weight_decay: bool = True) -> None:
     """Update one parameter and its quantized moments in place with ``"compile"`` or
     ``"eager"``."""
-    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = entry
+    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _, weight_correction = entry
     if backend == "compile":
         step = compiled_step(exp_avg.format, exp_avg_sq.format)
     else:
@@ -128,23 +137,28 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
 
     moments = [exp_avg, exp_avg_sq] + ([max_exp_avg_sq] if max_exp_avg_sq is not None else [])
 
-    def update(param_blocks, grad_blocks, block_rows: slice, first_element: int) -> None:
+    def update(param_blocks, grad_blocks, block_rows: slice, first_element: int, correction_blocks) -> None:
         stored = [StoredMoment(m.codes[block_rows], m.scales[block_rows]) for m in moments]
         if max_exp_avg_sq is None:
             stored.append(None)
-        _call(step, backend, param_blocks, grad_blocks, stored, scalars)
+        _call(step, backend, (param_blocks, grad_blocks, correction_blocks), stored, scalars)
 
-    for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update)
+    for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update,
+                         weight_correction=weight_correction)
 
 
-def _call(step, backend, param_blocks, grad_blocks, moments, scalars):
+def _call(step, backend, blocks: tuple, moments, scalars):
+    """``step`` on ``blocks`` (the parameter's, the gradient's and the correction's or None)."""
+    param_blocks, grad_blocks, correction_blocks = blocks
+    options = {} if correction_blocks is None else {"weight_correction": correction_blocks}
     if backend == "compile":
-        for tensor in (param_blocks, grad_blocks, *(t for m in moments if m is not None for t in m)):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        for tensor in (*blocks, *(t for m in moments if m is not None for t in m)):
+            if tensor is not None:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
         # Without this, a one-block tensor (a small parameter, or a partial last block) is
         # specialised to size 1 and gets a graph of its own; size-oblivious reasoning lets the
         # single dynamic graph serve every block count, 1 included.
         with fx_config.patch(backed_size_oblivious=True):
-            step(param_blocks, grad_blocks, *moments, scalars)
+            step(param_blocks, grad_blocks, *moments, scalars, **options)
     else:
-        step(param_blocks, grad_blocks, *moments, scalars)
+        step(param_blocks, grad_blocks, *moments, scalars, **options)

@@ -1,0 +1,208 @@
+"""The one-pass CPU step: a C++ kernel, built on first use, behind ``lowbit_optim::cpu_adamw_step``.
+
+For each block of a parameter it loads the parameter, gradient, codes and scales, decodes,
+updates (``step.math.adamw_update``), takes the block's absmax and encodes, with nothing of
+the parameter's size written in between (``csrc/cpu_step_kernel.h``); AVX-512, AVX2 and a
+portable path are chosen at run time, threaded over blocks with ``at::parallel_for``. The
+compiled step keeps several passes and float32 buffers between them (docs/design.md), which
+is what this replaces for CPU parameters.
+
+No compiler runs at ``pip install``: the sources are built by
+``torch.utils.cpp_extension.load`` the first time a step needs them, into a directory named
+after a hash of the sources (so each version is built once per machine and reused by every
+later process), and a machine that cannot build them gets one warning and the compiled step.
+docs/cpu_kernel.md has the build times, the formats covered and the numerics contract.
+"""
+
+import functools
+import hashlib
+import os
+import pathlib
+import struct
+import warnings
+
+import torch
+
+from lowbit_optim.formats import codecs
+from lowbit_optim.formats.catalog import QuantFormat
+
+SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
+SOURCES = ("cpu_step_op.cpp", "cpu_step_avx512.cpp", "cpu_step_avx2.cpp", "cpu_step_scalar.cpp")
+HEADERS = ("cpu_step_args.h", "cpu_step_kernel.h")
+# -ffp-contract=off: no multiply-add may be fused, so every path rounds exactly where the
+# reference (eager PyTorch, which never fuses) rounds.
+CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]
+
+# Instruction-set paths (cpu_step_op.cpp's Isa); LOWBIT_OPTIM_CPU_ISA forces one.
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISA_ENV = "LOWBIT_OPTIM_CPU_ISA"
+MAX_BLOCK_SIZE = 2048
+
+# cpu_step_args.h's StateKind and Encoder.
+_KIND = {4: 1, 8: 0}
+_SMALL_TABLE, _LINEAR16, _E4M3, _DYNAMIC_SIGNED, _DYNAMIC_UNSIGNED = 2, 3, 4, 0, 1
+ENCODER_FLOATS = 86
+
+
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(torch.__version__.encode())  # the library links against this torch's ABI
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def load() -> bool:
+    """Build (first time on this machine) or load (cached) the kernel; ``False``, with one
+    warning, where it cannot be built."""
+    try:
+        import torch.utils.cpp_extension as cpp_extension
+
+        name = f"lowbit_optim_cpu_step_{source_hash()}"
+        if not _load_built(cpp_extension, name):
+            cpp_extension.load(
+                name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=CFLAGS,
+                is_python_module=False, verbose=False,
+            )
+    except Exception as error:  # no compiler, no ninja, a failed build: the compiled step serves
+        warnings.warn(
+            f"lowbit_optim: the C++ CPU step could not be built ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); CPU "
+            "parameters use the compiled step (backend='compile') instead, which is slower.",
+            RuntimeWarning, stacklevel=2,
+        )
+        return False
+    torch.library.register_fake("lowbit_optim::cpu_adamw_step")(_fake_step)
+    return True
+
+
+def _load_built(cpp_extension, name: str) -> bool:
+    """Load the library a previous process built, without ``cpp_extension.load``'s checks.
+
+    Those run ninja to confirm the build is current (~1 s idle, ~5 s on a loaded 2-core
+    machine); the name already holds a hash of the sources, flags and torch version, so a
+    library under it is current. One that cannot be loaded (a build cut short) is rebuilt.
+    """
+    try:
+        library = pathlib.Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+        if not library.is_file():
+            return False
+        torch.ops.load_library(str(library))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def _fake_step(*args, **kwargs):
+    return None  # it only writes into its inputs
+
+
+def default_isa() -> str:
+    """``LOWBIT_OPTIM_CPU_ISA`` if set, else the widest path torch's own CPU kernels use."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"Invalid {ISA_ENV}: {forced!r} (choose one of {sorted(ISAS)})")
+        return forced
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "avx512" if "AVX512" in capability else "avx2" if "AVX2" in capability else "scalar"
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32, as torch rounds a Python number that meets a float32 tensor."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def encoder_constants(codec) -> list[float]:
+    """``cpu_step_args.h``'s ``EncoderConstants`` of a codec, as float32 values."""
+    zero_free, first_edge = 0.0, 0.0
+    if isinstance(codec, codecs.ZeroFreeCodec):
+        zero_free, first_edge, codec = 1.0, _f32(codec.first_edge), codec.inner
+    inf = float("inf")
+    midpoints, starts, shifts, counts, lowers = [inf] * 16, [inf] * 16, [0.0] * 16, [0.0] * 16, [0.0] * 16
+    upper = max_rank = zero_code = 0.0
+    if isinstance(codec, codecs.LinearNonzeroCodec):
+        if codec.table.numel() != 16:
+            raise ValueError("the CPU kernel's linear encoder is for 16 levels")
+        encoder = _LINEAR16
+    elif isinstance(codec, codecs.SmallTableCodec):
+        encoder = _SMALL_TABLE
+        midpoints[:len(codec._midpoints)] = [_f32(m) for m in codec._midpoints]
+    elif isinstance(codec, codecs.Float8Codec):
+        encoder = _E4M3
+    elif isinstance(codec, codecs.DynamicExponentCodec):
+        encoder = _DYNAMIC_SIGNED if codec.signed else _DYNAMIC_UNSIGNED
+        decades = codec.exponent_bits
+        starts[:decades - 1] = [_f32(s) for s in codec._decade_starts]
+        shifts[:decades] = [_f32(s) for s in codec._shifts]
+        counts[:decades] = [float(c) for c in codec._counts]
+        lowers[:decades] = [_f32(m) for m in codec._lower_midpoints]
+        upper = _f32(codec._upper_midpoint)
+        max_rank, zero_code = float(codec._max_rank), float(codec._zero_code)
+    else:
+        raise ValueError(f"the CPU kernel has no encoder for {type(codec).__name__}")
+    values = [float(encoder), zero_free, first_edge, *midpoints, *starts, *shifts, *counts, *lowers,
+              upper, max_rank, zero_code]
+    assert len(values) == ENCODER_FLOATS
+    return values
+
+
+@functools.cache
+def format_pair_constants(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat):
+    """``(kind, exp_avg table, exp_avg_sq table, encoders)`` for a state kind, made once."""
+    encoders = [encoder_constants(fmt.codec) for fmt in (exp_avg_format, exp_avg_sq_format)]
+    encoders = torch.tensor(encoders, dtype=torch.float32)
+    tables = [fmt.table.to(torch.float32).contiguous() for fmt in (exp_avg_format, exp_avg_sq_format)]
+    return _KIND[exp_avg_format.bits], tables[0], tables[1], encoders
+
+
+def supports(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
+             param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether the kernel takes this parameter (else the compiled step does): CPU, float32,
+    bfloat16 or float16 parameters with a gradient of the same dtype, both moments of one
+    width with encoders the kernel has, blocks of at most ``MAX_BLOCK_SIZE``. float64
+    parameters (updated in float64 by the reference) go to the compiled step."""
+    if param.device.type != "cpu" or grad.device.type != "cpu" or grad.dtype != param.dtype:
+        return False
+    if not load():
+        return False
+    if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if exp_avg_format.bits != exp_avg_sq_format.bits or exp_avg_format.bits not in _KIND:
+        return False
+    if block_size > MAX_BLOCK_SIZE or block_size % 4:
+        return False
+    try:
+        format_pair_constants(exp_avg_format, exp_avg_sq_format)
+    except ValueError:
+        return False
+    return True
+
+
+def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
+                   stochastic_round: bool, decoupled_weight_decay: bool = True,
+                   isa: str | None = None) -> None:
+    """One parameter's step with the kernel, in place: ``quantized_adamw_step``'s result.
+
+    ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
+    of the whole parameter; ``scalars`` a ``step.math.StepScalars`` of 0-d CPU tensors.
+    ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``).
+    A non-contiguous parameter steps a contiguous copy, written back afterwards.
+    """
+    kind, exp_avg_table, exp_avg_sq_table, encoders = format_pair_constants(exp_avg.format, exp_avg_sq.format)
+    work = param.detach()
+    contiguous = work if work.is_contiguous() else work.contiguous()
+    grad = grad.detach().contiguous()
+    lr, beta1, beta2, eps, weight_decay, step = scalars
+    torch.ops.lowbit_optim.cpu_adamw_step(
+        contiguous, grad, exp_avg.codes, exp_avg.scales, exp_avg_sq.codes, exp_avg_sq.scales,
+        None if max_exp_avg_sq is None else max_exp_avg_sq.codes,
+        None if max_exp_avg_sq is None else max_exp_avg_sq.scales,
+        exp_avg_table, exp_avg_sq_table, encoders, lr, beta1, beta2, eps, weight_decay, step,
+        kind, exp_avg.block_size, maximize, decoupled_weight_decay, stochastic_round,
+        ISAS[isa or default_isa()],
+    )
+    if contiguous is not work:
+        work.copy_(contiguous)

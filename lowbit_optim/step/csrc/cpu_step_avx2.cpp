@@ -1,0 +1,136 @@
+// The AVX2 path of the one-pass CPU step (AVX2 + F16C). Compiled for AVX2 by the pragma
+// below whatever flags the build uses, and called only after the CPU was checked
+// (cpu_step_op.cpp); nothing from torch is included, so no shared inline function is
+// compiled for AVX2 here.
+#include "cpu_step_args.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+namespace lowbit_cpu {
+namespace avx2 {
+namespace {
+
+struct V {
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256;  // all-ones lanes where true
+  static constexpr int W = 8;
+  static inline F set1(float x) { return _mm256_set1_ps(x); }
+  static inline I set1i(int32_t x) { return _mm256_set1_epi32(x); }
+  static inline F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void storef(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static inline F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static inline F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static inline I bits(F a) { return _mm256_castps_si256(a); }
+  static inline F as_float(I a) { return _mm256_castsi256_ps(a); }
+  static inline F abs(F a) { return as_float(_mm256_and_si256(bits(a), set1i(0x7FFFFFFF))); }
+  static inline F neg(F a) { return as_float(_mm256_xor_si256(bits(a), set1i(INT32_MIN))); }
+  static inline F floor(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static inline F ceil(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
+  static inline M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static inline M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static inline M ge(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+  static inline M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static inline M ilt(I a, I b) { return as_float(_mm256_cmpgt_epi32(b, a)); }
+  static inline M isfinite(F a) { return ilt(_mm256_and_si256(bits(a), set1i(0x7FFFFFFF)), set1i(0x7F800000)); }
+  static inline F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
+  static inline I iselect(M m, I a, I b) { return bits(_mm256_blendv_ps(as_float(b), as_float(a), m)); }
+  static inline I f2i(F a) { return _mm256_cvttps_epi32(a); }
+  static inline I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static inline I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static inline I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static inline I ior(I a, I b) { return _mm256_or_si256(a, b); }
+  static inline I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static inline I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static inline I srl(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static inline I sll(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static inline I iadd_if(M m, I a) { return _mm256_sub_epi32(a, bits(m)); }  // true lanes are -1
+  static inline I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static inline F lookup16(const float* table, I index) {
+    F low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), index);
+    F high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), index);
+    return _mm256_blendv_ps(low, high, as_float(_mm256_slli_epi32(index, 28)));  // bit 3 -> sign
+  }
+  static inline F gather256(const float* table, I index) { return _mm256_i32gather_ps(table, index, 4); }
+  static inline I load_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store_u8(uint8_t* p, I x) {
+    const I low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    I packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(x, low_bytes), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static inline float reduce_max(F a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static inline F load_param(const float* p, int) { return loadf(p); }
+  static inline F load_param(const uint16_t* p, int dtype) {
+    __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (dtype == kFloat16) return _mm256_cvtph_ps(half);
+    return as_float(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static inline I bf16_nearest(F x) {
+    // c10::BFloat16's round to nearest even; NaN -> 0x7FC0.
+    I b = bits(x);
+    I rounded = srl(iadd(b, iadd(set1i(0x7FFF), iand(srl(b, 16), set1i(1)))), 16);
+    return iselect(eq(x, x), rounded, set1i(0x7FC0));
+  }
+  static inline void store16(uint16_t* p, I x) {
+    // Every lane holds a value below 2**16, so the saturating pack only narrows.
+    I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static inline void store_param(float* p, F x, int) { storef(p, x); }
+  static inline void store_param(uint16_t* p, F x, int dtype) {
+    if (dtype == kFloat16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+      store16(p, bf16_nearest(x));
+    }
+  }
+  static inline void store_bf16_stochastic(float*, F, I) {}
+  static inline void store_bf16_stochastic(uint16_t* p, F x, I noise) {
+    I truncated = srl(iadd(bits(x), noise), 16);
+    store16(p, iselect(isfinite(x), truncated, bf16_nearest(x)));
+  }
+  static inline I hash_noise(I index, uint32_t key) {
+    I h = iadd(imul(index, set1i(static_cast<int32_t>(0x9E3779B1u))), set1i(static_cast<int32_t>(key)));
+    h = ixor(h, srl(h, 16));
+    h = imul(h, set1i(static_cast<int32_t>(0x85EBCA6Bu)));
+    h = ixor(h, srl(h, 13));
+    h = imul(h, set1i(static_cast<int32_t>(0xC2B2AE35u)));
+    h = ixor(h, srl(h, 16));
+    return iand(h, set1i(0xFFFF));
+  }
+};
+
+}  // namespace
+}  // namespace avx2
+}  // namespace lowbit_cpu
+
+#define LOWBIT_ISA avx2
+#include "cpu_step_kernel.h"
+#undef LOWBIT_ISA
+
+namespace lowbit_cpu {
+RangeFn avx2_range() { return &avx2::run_range; }
+}  // namespace lowbit_cpu
+#pragma GCC pop_options
+
+#else
+namespace lowbit_cpu {
+RangeFn avx2_range() { return nullptr; }
+}  // namespace lowbit_cpu
+#endif

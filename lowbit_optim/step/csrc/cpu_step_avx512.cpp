@@ -1,0 +1,123 @@
+// The AVX-512 path of the one-pass CPU step (AVX-512F only). Compiled for AVX-512 by the
+// pragma below whatever flags the build uses, and called only after the CPU was checked
+// (cpu_step_op.cpp); nothing from torch is included, so no shared inline function is
+// compiled for AVX-512 here.
+#include "cpu_step_args.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#include <immintrin.h>
+
+namespace lowbit_cpu {
+namespace avx512 {
+namespace {
+
+struct V {
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+  static constexpr int W = 16;
+  static inline F set1(float x) { return _mm512_set1_ps(x); }
+  static inline I set1i(int32_t x) { return _mm512_set1_epi32(x); }
+  static inline F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void storef(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static inline F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static inline I bits(F a) { return _mm512_castps_si512(a); }
+  static inline F abs(F a) { return _mm512_castsi512_ps(_mm512_and_si512(bits(a), set1i(0x7FFFFFFF))); }
+  static inline F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(bits(a), set1i(INT32_MIN))); }
+  static inline F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static inline F ceil(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
+  static inline M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static inline M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static inline M ge(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+  static inline M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static inline M isfinite(F a) {
+    return _mm512_cmplt_epi32_mask(_mm512_and_si512(bits(a), set1i(0x7FFFFFFF)), set1i(0x7F800000));
+  }
+  static inline F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  static inline I iselect(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
+  static inline I f2i(F a) { return _mm512_cvttps_epi32(a); }
+  static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static inline I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static inline I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static inline I ior(I a, I b) { return _mm512_or_si512(a, b); }
+  static inline I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static inline I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static inline I srl(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static inline I sll(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static inline M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static inline I iadd_if(M m, I a) { return _mm512_mask_add_epi32(a, m, a, set1i(1)); }
+  static inline I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static inline F lookup16(const float* table, I index) { return _mm512_permutexvar_ps(index, _mm512_loadu_ps(table)); }
+  static inline F gather256(const float* table, I index) { return _mm512_i32gather_ps(index, table, 4); }
+  static inline I load_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store_u8(uint8_t* p, I x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  static inline float reduce_max(F a) { return _mm512_reduce_max_ps(a); }
+  static inline F load_param(const float* p, int) { return loadf(p); }
+  static inline F load_param(const uint16_t* p, int dtype) {
+    __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if (dtype == kFloat16) return _mm512_cvtph_ps(half);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static inline I bf16_nearest(F x) {
+    // c10::BFloat16's round to nearest even; NaN -> 0x7FC0.
+    I b = bits(x);
+    I rounded = srl(iadd(b, iadd(set1i(0x7FFF), iand(srl(b, 16), set1i(1)))), 16);
+    return iselect(eq(x, x), rounded, set1i(0x7FC0));
+  }
+  static inline void store16(uint16_t* p, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
+  static inline void store_param(float* p, F x, int) { storef(p, x); }
+  static inline void store_param(uint16_t* p, F x, int dtype) {
+    if (dtype == kFloat16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+      store16(p, bf16_nearest(x));
+    }
+  }
+  static inline void store_bf16_stochastic(float*, F, I) {}
+  static inline void store_bf16_stochastic(uint16_t* p, F x, I noise) {
+    I truncated = srl(iadd(bits(x), noise), 16);
+    store16(p, iselect(isfinite(x), truncated, bf16_nearest(x)));
+  }
+  static inline I hash_noise(I index, uint32_t key) {
+    I h = iadd(imul(index, set1i(static_cast<int32_t>(0x9E3779B1u))), set1i(static_cast<int32_t>(key)));
+    h = ixor(h, srl(h, 16));
+    h = imul(h, set1i(static_cast<int32_t>(0x85EBCA6Bu)));
+    h = ixor(h, srl(h, 13));
+    h = imul(h, set1i(static_cast<int32_t>(0xC2B2AE35u)));
+    h = ixor(h, srl(h, 16));
+    return iand(h, set1i(0xFFFF));
+  }
+};
+
+}  // namespace
+}  // namespace avx512
+}  // namespace lowbit_cpu
+
+#define LOWBIT_ISA avx512
+#include "cpu_step_kernel.h"
+#undef LOWBIT_ISA
+
+namespace lowbit_cpu {
+RangeFn avx512_range() { return &avx512::run_range; }
+}  // namespace lowbit_cpu
+#pragma GCC pop_options
+
+#else
+namespace lowbit_cpu {
+RangeFn avx512_range() { return nullptr; }
+}  // namespace lowbit_cpu
+#endif

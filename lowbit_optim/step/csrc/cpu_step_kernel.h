@@ -1,0 +1,245 @@
+// The one-pass block step, written once over a vector type V (cpu_step_avx512.cpp,
+// cpu_step_avx2.cpp, cpu_step_scalar.cpp each define V and include this file once).
+//
+// Per block: load parameter, gradient, codes and scales -> decode -> AdamW update -> the
+// block's absmax -> encode -> store. The updated moments wait in a block-sized buffer on the
+// stack (L1) between the update and the encode, because the encode needs the whole block's
+// absmax first; nothing of the parameter's size is ever written besides the outputs.
+//
+// Every float operation is the one the reference (lowbit_optim/step/math.py::adamw_update
+// and formats/codecs.py, eager) performs, in the same order, in float32, and the file is built
+// with -ffp-contract=off, so no multiply-add is fused: parameters and codes come out bit for
+// bit as the reference's, on every path (vector width changes nothing, every operation is
+// elementwise and the absmax is exact in any order).
+#include <cstdint>
+
+#include "cpu_step_args.h"
+
+namespace lowbit_cpu {
+namespace LOWBIT_ISA {
+namespace {
+
+using F = typename V::F;
+using I = typename V::I;
+using M = typename V::M;
+constexpr int W = V::W;
+constexpr int kMaxBlock = 2048;
+
+// Encode normalised values in [-1, 1] (NaN already 0) exactly as the reference codecs do.
+inline I encode(const EncoderConstants& c, F n) {
+  if (c.zero_free) n = V::select(V::lt(n, V::set1(c.first_edge)), V::set1(0.0f), n);
+  switch (c.encoder) {
+    case kSmallTable: {
+      // The reference counts the midpoints n exceeds; they ascend strictly, so a 4-step
+      // binary search over them (index = midpoints exceeded so far) finds the same count.
+      I code = V::set1i(0);
+      for (int half = 8; half >= 1; half >>= 1) {
+        I candidate = V::iadd(code, V::set1i(half));
+        F midpoint = V::lookup16(c.midpoints, V::isub(candidate, V::set1i(1)));
+        code = V::iselect(V::gt(n, midpoint), candidate, code);
+      }
+      return code;
+    }
+    case kLinear16: {
+      F t = V::ceil(V::sub(V::mul(n, V::set1(16.0f)), V::set1(1.5f)));
+      return V::f2i(V::min(V::max(t, V::set1(0.0f)), V::set1(15.0f)));
+    }
+    case kE4M3: {
+      F y = V::mul(n, V::set1(448.0f));
+      I bits = V::bits(y);
+      I magnitude = V::iand(bits, V::set1i(0x7FFFFFFF));
+      I sign = V::iand(V::srl(bits, 24), V::set1i(0x80));
+      I round_bit = V::iand(V::srl(magnitude, 20), V::set1i(1));
+      I normal = V::isub(V::srl(V::iadd(magnitude, V::iadd(V::set1i(0x7FFFF), round_bit)), 20),
+                         V::set1i((127 - 7) << 3));
+      I subnormal = V::isub(V::bits(V::add(V::abs(y), V::set1(16384.0f))), V::set1i(0x46800000));
+      return V::ior(V::iselect(V::ilt(magnitude, V::set1i(0x3C800000)), subnormal, normal), sign);
+    }
+    default: {  // kDynamicSigned, kDynamicUnsigned: DynamicExponentCodec, step for step
+      F magnitude = V::abs(n);
+      I decade = V::set1i(0);
+      for (int d = 0; d < 6; ++d)
+        decade = V::iadd_if(V::ge(magnitude, V::set1(c.decade_starts[d])), decade);
+      F shift = V::lookup16(c.shifts, decade);
+      F count = V::lookup16(c.counts, decade);
+      F lower = V::lookup16(c.lower_midpoints, decade);
+      const bool is_signed = c.encoder == kDynamicSigned;
+      F first = V::sub(count, V::set1(is_signed ? 1.0f : 2.0f));
+      F position = V::floor(V::div(V::mul(V::sub(V::mul(magnitude, shift), V::set1(0.1f)), count),
+                                   V::set1(0.9f)));
+      F rank = V::add(first, V::min(V::max(position, V::set1(0.0f)), V::sub(count, V::set1(1.0f))));
+      rank = V::select(V::lt(magnitude, lower), V::sub(first, V::set1(1.0f)), rank);
+      rank = V::select(V::ge(magnitude, V::set1(c.upper_midpoint)), V::set1(c.max_rank), rank);
+      if (!is_signed) return V::f2i(V::add(rank, V::set1(c.zero_code + 1.0f)));
+      F negative_rank = V::min(rank, V::set1(c.max_rank - 1.0f));
+      F positive_code = V::add(V::set1(c.zero_code + 1.0f), rank);
+      F negative_code = V::sub(V::sub(V::set1(c.zero_code), V::set1(1.0f)), negative_rank);
+      return V::f2i(V::select(V::ge(n, V::set1(0.0f)), positive_code, negative_code));
+    }
+  }
+}
+
+// QuantFormat._normalize: an exact division (by inf for a zero scale), NaN -> 0, clamp.
+inline F normalize(F x, F divisor) {
+  F n = V::div(x, divisor);
+  n = V::select(V::eq(n, n), n, V::set1(0.0f));
+  return V::min(V::max(n, V::set1(-1.0f)), V::set1(1.0f));
+}
+
+inline F finite_magnitude(F x) { return V::select(V::isfinite(x), V::abs(x), V::set1(0.0f)); }
+
+inline uint32_t mix32(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+template <typename T>
+struct Block {
+  const StepArgs& a;
+  T* param;
+  const T* grad;
+  int64_t block;
+  float scale[3];
+  F absmax[3];
+  float* moments[3];  // the updated moments of the block, before encoding
+  uint32_t noise_key;
+
+  // Update the W elements starting at `offset` of the block, their codes given.
+  inline void update(int64_t offset, const I codes[3]) {
+    const bool amsgrad = a.amsgrad;
+    F exp_avg = V::mul(decode(0, codes[0]), V::set1(scale[0]));
+    F exp_avg_sq = V::mul(decode(1, codes[1]), V::set1(scale[1]));
+    F p = V::load_param(param + offset, a.param_dtype);
+    F g = V::load_param(grad + offset, a.param_dtype);
+    if (a.maximize) g = V::neg(g);
+    M finite = V::isfinite(g);
+    F safe_grad = V::select(finite, g, V::set1(0.0f));
+    if (!a.decoupled) safe_grad = V::add(safe_grad, V::mul(V::set1(a.weight_decay), p));
+    F new_exp_avg = V::add(exp_avg, V::mul(V::set1(a.one_minus_beta1), V::sub(safe_grad, exp_avg)));
+    F square = V::mul(V::mul(V::set1(a.one_minus_beta2), safe_grad), safe_grad);
+    F new_exp_avg_sq = V::add(V::mul(exp_avg_sq, V::set1(a.beta2)), square);
+    F second = new_exp_avg_sq;
+    F new_max;
+    if (amsgrad) {
+      F max_sq = V::mul(decode(1, codes[2]), V::set1(scale[2]));
+      new_max = V::max(max_sq, new_exp_avg_sq);  // no NaN reaches it: torch.maximum's NaN rule is moot
+      second = new_max;
+      new_max = V::select(finite, new_max, max_sq);
+    }
+    F denom = V::add(V::div(V::sqrt(second), V::set1(a.bias_correction2_sqrt)), V::set1(a.eps));
+    F decayed = a.decoupled ? V::mul(p, V::set1(a.decay)) : p;
+    // clamp(-max_ratio, max_ratio), NaN kept as torch's clamp keeps it: the vector max/min
+    // return their second operand when either is NaN.
+    F ratio = V::div(new_exp_avg, denom);
+    ratio = V::min(V::set1(a.max_ratio), V::max(V::set1(-a.max_ratio), ratio));
+    F new_param = V::sub(decayed, V::mul(V::set1(a.step_size), ratio));
+    new_param = V::select(finite, new_param, p);
+    new_exp_avg = V::select(finite, new_exp_avg, exp_avg);
+    new_exp_avg_sq = V::select(finite, new_exp_avg_sq, exp_avg_sq);
+
+    if (a.stochastic_round && sizeof(T) == 2 && a.param_dtype == kBFloat16) {
+      I index = V::iadd(V::iota(), V::set1i(static_cast<int32_t>(offset)));
+      V::store_bf16_stochastic(param + offset, new_param, V::hash_noise(index, noise_key));
+    } else {
+      V::store_param(param + offset, new_param, a.param_dtype);
+    }
+    V::storef(moments[0] + offset, new_exp_avg);
+    V::storef(moments[1] + offset, new_exp_avg_sq);
+    absmax[0] = V::max(absmax[0], finite_magnitude(new_exp_avg));
+    absmax[1] = V::max(absmax[1], finite_magnitude(new_exp_avg_sq));
+    if (amsgrad) {
+      V::storef(moments[2] + offset, new_max);
+      absmax[2] = V::max(absmax[2], finite_magnitude(new_max));
+    }
+  }
+
+  inline F decode(int moment, I codes) const {
+    return a.kind == kNibble4 ? V::lookup16(a.tables[moment], codes) : V::gather256(a.tables[moment], codes);
+  }
+
+  inline I encode_at(int slot, int64_t offset, F divisor) const {
+    return encode(a.encoders[slot == 0 ? 0 : 1], normalize(V::loadf(moments[slot] + offset), divisor));
+  }
+};
+
+template <typename T>
+void step_block(const StepArgs& a, T* param, const T* grad, int64_t block, float* buffers) {
+  const int64_t size = a.block_size;
+  const int slots = a.amsgrad ? 3 : 2;
+  Block<T> b{a, param, grad, block, {}, {}, {buffers, buffers + kMaxBlock, buffers + 2 * kMaxBlock},
+             a.stochastic_round ? mix32(a.seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL)) : 0u};
+  for (int s = 0; s < slots; ++s) {
+    b.scale[s] = a.scales[s][block];
+    b.absmax[s] = V::set1(0.0f);
+  }
+  I codes[3];
+  if (a.kind == kNibble4) {
+    const int64_t half = size / 2;
+    for (int64_t j = 0; j < half; j += W) {
+      I packed[3];
+      for (int s = 0; s < slots; ++s) packed[s] = V::load_u8(a.codes[s] + block * half + j);
+      for (int s = 0; s < slots; ++s) codes[s] = V::iand(packed[s], V::set1i(15));
+      b.update(j, codes);
+      for (int s = 0; s < slots; ++s) codes[s] = V::srl(packed[s], 4);
+      b.update(half + j, codes);
+    }
+  } else {
+    for (int64_t j = 0; j < size; j += W) {
+      for (int s = 0; s < slots; ++s) codes[s] = V::load_u8(a.codes[s] + block * size + j);
+      b.update(j, codes);
+    }
+  }
+  for (int s = 0; s < slots; ++s) {
+    const float scale = V::reduce_max(b.absmax[s]);
+    a.scales[s][block] = scale;
+    // A zero scale divides by inf: finite values become 0, as the reference's select gives.
+    const F divisor = V::set1(scale > 0.0f ? scale : __builtin_inff());
+    if (a.kind == kNibble4) {
+      const int64_t half = size / 2;
+      for (int64_t j = 0; j < half; j += W) {
+        I low = b.encode_at(s, j, divisor);
+        I high = b.encode_at(s, half + j, divisor);
+        V::store_u8(a.codes[s] + block * half + j, V::ior(low, V::sll(high, 4)));
+      }
+    } else {
+      for (int64_t j = 0; j < size; j += W) V::store_u8(a.codes[s] + block * size + j, b.encode_at(s, j, divisor));
+    }
+  }
+}
+
+template <typename T>
+void step_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
+  alignas(64) float buffers[3 * kMaxBlock];
+  T* param = static_cast<T*>(a.param);
+  const T* grad = static_cast<const T*>(a.grad);
+  const int64_t size = a.block_size;
+  const int64_t whole_blocks = a.numel / size;
+  for (int64_t block = first_block; block < end_block; ++block) {
+    if (block < whole_blocks) {
+      step_block<T>(a, param + block * size, grad + block * size, block, buffers);
+      continue;
+    }
+    // The partial last block, zero-padded as step.chunks.for_each_block_chunk pads it: the
+    // padding's moments stay exactly 0 and never set the block's scale.
+    alignas(64) T param_block[kMaxBlock];
+    alignas(64) T grad_block[kMaxBlock];
+    const int64_t tail = a.numel - whole_blocks * size;
+    for (int64_t i = 0; i < size; ++i) {
+      param_block[i] = i < tail ? param[block * size + i] : T{};
+      grad_block[i] = i < tail ? grad[block * size + i] : T{};
+    }
+    step_block<T>(a, param_block, grad_block, block, buffers);
+    for (int64_t i = 0; i < tail; ++i) param[block * size + i] = param_block[i];
+  }
+}
+
+void run_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
+  switch (a.param_dtype) {
+    case kFloat32: step_range<float>(a, first_block, end_block); break;
+    default: step_range<uint16_t>(a, first_block, end_block); break;
+  }
+}
+
+}  // namespace
+}  // namespace LOWBIT_ISA
+}  // namespace lowbit_cpu
