@@ -1,6 +1,7 @@
 """Checkpoints written by an earlier version of the package (tests/fixtures, made by
 tests/fixtures/make_checkpoints.py before the package was split into sub-packages) still
-load, save back to the same bytes, and resume exactly.
+load, save back to the same bytes (plus the group options they predate, at their defaults),
+and resume exactly.
 
 The expected continuation is computed here, on the machine running the test, from the same
 values put into an optimizer without ``load_state_dict``: nothing machine-dependent is stored.
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from lowbit_optim import FactoredState, QuantizedState
+from lowbit_optim.checkpoint.load import TORCH_ADAMW_GROUP_OPTIONS
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 
@@ -63,9 +65,25 @@ def test_saved_checkpoint_loads_and_saves_back_unchanged(case, weights_only, tmp
     optimizer = make_checkpoints.make_optimizer(case, params)
     optimizer.load_state_dict(state_dict)
     # Same file name: torch.save names the archive's top folder after it.
-    saved = tmp_path / f"{case}.optim.pt"
+    saved, expected = tmp_path / "saved" / f"{case}.optim.pt", tmp_path / "expected" / f"{case}.optim.pt"
+    saved.parent.mkdir(), expected.parent.mkdir()
     torch.save(optimizer.state_dict(), saved)
-    assert saved.read_bytes() == (FIXTURES / f"{case}.optim.pt").read_bytes()
+    torch.save(with_options_it_predates(load_fixture(case, weights_only=True)[0]), expected)
+    assert saved.read_bytes() == expected.read_bytes()
+
+
+def with_options_it_predates(state_dict: dict) -> dict:
+    """``state_dict`` as an optimizer that loaded it saves it back: each group with the options
+    the fixtures predate appended at their defaults, ``torch.optim.AdamW``'s implementation
+    options and ``master_weight_bits=None`` (no master weights, as the fixtures were trained);
+    ``Optimizer.state_dict`` writes ``params`` last."""
+    predated = {**TORCH_ADAMW_GROUP_OPTIONS, "master_weight_bits": None}
+    groups = []
+    for saved in state_dict["param_groups"]:
+        group = {key: value for key, value in saved.items() if key != "params"}
+        assert not group.keys() & predated.keys()
+        groups.append({**group, **predated, "params": saved["params"]})
+    return {**state_dict, "param_groups": groups}
 
 
 @pytest.mark.parametrize("case", list(make_checkpoints.CASES))
