@@ -13,7 +13,7 @@ namespace lowbit_cpu {
 namespace avx512 {
 namespace {
 
-struct V {
+struct Primitives {
   using F = __m512;
   using I = __m512i;
   using M = __mmask16;
@@ -70,36 +70,11 @@ struct V {
     if (dtype == kFloat16) return _mm512_cvtph_ps(half);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
-  static inline I bf16_nearest(F x) {
-    // c10::BFloat16's round to nearest even; NaN -> 0x7FC0.
-    I b = bits(x);
-    I rounded = srl(iadd(b, iadd(set1i(0x7FFF), iand(srl(b, 16), set1i(1)))), 16);
-    return iselect(eq(x, x), rounded, set1i(0x7FC0));
-  }
   static inline void store16(uint16_t* p, I x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
   }
-  static inline void store_param(float* p, F x, int) { storef(p, x); }
-  static inline void store_param(uint16_t* p, F x, int dtype) {
-    if (dtype == kFloat16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-      store16(p, bf16_nearest(x));
-    }
-  }
-  static inline void store_bf16_stochastic(float*, F, I) {}
-  static inline void store_bf16_stochastic(uint16_t* p, F x, I noise) {
-    I truncated = srl(iadd(bits(x), noise), 16);
-    store16(p, iselect(isfinite(x), truncated, bf16_nearest(x)));
-  }
-  static inline I hash_noise(I index, uint32_t key) {
-    I h = iadd(imul(index, set1i(static_cast<int32_t>(0x9E3779B1u))), set1i(static_cast<int32_t>(key)));
-    h = ixor(h, srl(h, 16));
-    h = imul(h, set1i(static_cast<int32_t>(0x85EBCA6Bu)));
-    h = ixor(h, srl(h, 13));
-    h = imul(h, set1i(static_cast<int32_t>(0xC2B2AE35u)));
-    h = ixor(h, srl(h, 16));
-    return iand(h, set1i(0xFFFF));
+  static inline void store_half(uint16_t* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };
 
@@ -108,6 +83,7 @@ struct V {
 }  // namespace lowbit_cpu
 
 #define LOWBIT_ISA avx512
+#include "cpu_step_vector_ops.h"
 #include "cpu_step_kernel.h"
 #undef LOWBIT_ISA
 

@@ -1,5 +1,6 @@
-// The one-pass block step, written once over a vector type V (cpu_step_avx512.cpp,
-// cpu_step_avx2.cpp, cpu_step_scalar.cpp each define V and include this file once).
+// The one-pass block step, written once over a vector type V: cpu_step_avx512.cpp,
+// cpu_step_avx2.cpp (through cpu_step_vector_ops.h) and cpu_step_scalar.cpp each define V
+// and include this file once.
 //
 // Per block: load parameter, gradient, codes and scales -> decode -> AdamW update -> the
 // block's absmax -> encode -> store. The updated moments wait in a block-sized buffer on the
