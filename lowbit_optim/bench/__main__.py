@@ -76,6 +76,9 @@ def parse_args(argv):
     parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, metavar="NORM",
                         help=f"clip the gradient norm to NORM before each step; 0 turns clipping "
                              f"off (default: {GRAD_CLIP})")
+    parser.add_argument("--release-gradients", action="store_true",
+                        help="step each parameter during backward and free its gradient "
+                             "(lowbit_optim.release_gradients; our optimizers only, with --grad-clip 0)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"),
                         help="where results.json, table.md and the PNGs go (default: bench_out/)")
     parser.add_argument("--quick", action="store_true",
@@ -89,6 +92,9 @@ def parse_args(argv):
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if not args.grad_clip >= 0:  # also refuses nan
         parser.error(f"--grad-clip must be >= 0, got {args.grad_clip}")
+    if args.release_gradients and args.grad_clip:
+        parser.error("--release-gradients frees each gradient during backward, so there is no global "
+                     "norm to clip: add --grad-clip 0")
     return args
 
 
@@ -182,7 +188,7 @@ def main(argv=None) -> int:
     def config_for(seed: int) -> TrainConfig:
         return TrainConfig(weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=max(1, steps // 10),
                            min_lr_ratio=0.1, grad_clip=args.grad_clip or None, seed=seed,
-                           param_dtype=args.param_dtype,
+                           param_dtype=args.param_dtype, release_gradients=args.release_gradients,
                            **preset)
 
     from tqdm.auto import tqdm

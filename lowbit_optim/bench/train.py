@@ -31,6 +31,8 @@ from lowbit_optim.bench import harness
 from lowbit_optim.bench.data import Corpus, batch_offsets, get_batch
 from lowbit_optim.bench.model import ByteGPT, ModelConfig
 from lowbit_optim.bench.profiling import allocation_peak_bytes
+from lowbit_optim.optim.release import release_gradients
+from lowbit_optim.optim.released_gradient import is_released
 from lowbit_optim.state import state_bytes
 
 
@@ -51,6 +53,8 @@ class TrainConfig:
     grad_clip: float | None = None
     # The parameters' dtype ("float32" or "bfloat16"; the model computes in it too).
     param_dtype: str = "float32"
+    # Step each parameter during backward and free its gradient (``release_gradients``).
+    release_gradients: bool = False
 
 
 def warmup_cosine(config: TrainConfig):
@@ -92,10 +96,14 @@ class Evaluator:
         return sum(losses) / len(losses)
 
 
+def held_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients the parameters hold (not the storage-less stand-ins of released ones)."""
+    return [p.grad for p in model.parameters() if p.grad is not None and not is_released(p.grad)]
+
+
 def live_model_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    tensors = [*model.parameters(), *model.buffers()]
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return sum(t.nbytes for t in tensors + grads) + state_bytes(optimizer, include_step=True)
+    tensors = [*model.parameters(), *model.buffers(), *held_gradients(model)]
+    return sum(t.nbytes for t in tensors) + state_bytes(optimizer, include_step=True)
 
 
 def cpu_step_peak_bytes(train_step, model, optimizer) -> int:
@@ -112,6 +120,8 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
     optimizer = harness.make_optimizer(name, model.parameters(), lr=config.lr,
                                        betas=config.betas, weight_decay=config.weight_decay)
     scheduler = LambdaLR(optimizer, warmup_cosine(config))
+    if config.release_gradients:
+        release_gradients(optimizer)  # refuses an optimizer that is not ours
     offsets = batch_offsets(corpus.train, count=config.steps, batch_size=config.batch_size,
                             context=config.model.context, seed=config.seed)
     evaluator = Evaluator(corpus, config, device)
@@ -128,7 +138,7 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
     first_step_s = graphs_after_first = None
     for step in range(config.steps):
         forward_s = harness.timed(functools.partial(forward_backward, step), device)
-        held_gradient_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        held_gradient_bytes = sum(grad.nbytes for grad in held_gradients(model))
         optimizer_s = harness.timed(optimizer.step, device)
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
@@ -171,6 +181,7 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
         "state_bytes": moments,
         "state_bytes_per_param": moments / num_params,
         "param_dtype": config.param_dtype,
+        "release_gradients": config.release_gradients,
         "training_bytes_per_param": training_bytes / num_params,
         "peak_memory_bytes": peak,
         "first_step_s": first_step_s,
