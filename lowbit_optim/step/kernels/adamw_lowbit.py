@@ -358,9 +358,10 @@ def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexp
     decayed = param if L2_DECAY else param * decay
     # Clamped at Adam's own bound, as math.parameter_update clamps (NaN kept as torch's
     # clamp keeps it).
-    keep_nan = tl.PropagateNan.ALL
-    ratio = tl.maximum(_divide(new_exp_avg, denom, INTERPRETED), -max_ratio, propagate_nan=keep_nan)
-    ratio = tl.minimum(ratio, max_ratio, propagate_nan=keep_nan)
+    # (The enum is spelled out in each call: a local holding it becomes a tensor when compiled.)
+    ratio = _divide(new_exp_avg, denom, INTERPRETED)
+    ratio = tl.maximum(ratio, -max_ratio, propagate_nan=tl.PropagateNan.ALL)
+    ratio = tl.minimum(ratio, max_ratio, propagate_nan=tl.PropagateNan.ALL)
     new_param = tl.fma(-step_size, ratio, decayed)
     new_param = tl.where(finite, new_param, param)
     new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
