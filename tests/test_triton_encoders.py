@@ -65,6 +65,17 @@ def test_kernel_encoder_gives_the_codecs_codes(name):
                     f"kernel {int(codes[i])}, codec {int(expected[i])}" for i in differ[:5]))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_cuda_kernel_encoder_gives_the_codecs_codes(name):
+    """The compiled encoders (the cell tables read through inline PTX, hardware max/min and
+    integer operations) against the CPU codec, on the same values."""
+    fmt = FORMATS[name]
+    values = hard_values(fmt)
+    codes = kernels.encode_normalized(values.cuda(), fmt).cpu()
+    assert torch.equal(codes, reference_codes(fmt, values))
+
+
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("name", ["float8-e4m3", "dynamic8-signed"])
 def test_kernel_encoder_signed_zero_and_nan_signs(name):
@@ -95,6 +106,6 @@ def test_cell_table_refuses_edges_closer_than_a_cell():
     """A codec with two edges in one cell (a map finer than 2**-7 of a binade) is refused
     with the reason, rather than encoded wrongly."""
     def fine(values):  # two edges 2**-10 apart in [0.5, 1), whose cells are 2**-8 wide
-        return ((values > 0.5 + 2**-9) + (values > 0.5 + 2**-8 - 2**-10)).to(torch.uint8)
+        return (values > 0.5 + 2**-9).to(torch.uint8) + (values > 0.5 + 2**-8 - 2**-10).to(torch.uint8)
     with pytest.raises(ValueError, match="more than one bin edge"):
         top_bits.cell_words(fine, "fine")
