@@ -1,4 +1,4 @@
-"""Memory-efficient AdamW with 8-bit and 4-bit optimizer state."""
+"""Memory-efficient optimizers (AdamW, Adam, Lion, AdEMAMix) with 8-bit and 4-bit state."""
 
 from lowbit_optim.checkpoint.master_weights import load_master_weights, master_weights_state_dict
 from lowbit_optim.formats.catalog import FORMATS, QuantFormat
@@ -11,7 +11,12 @@ from lowbit_optim.optim import (
     AdamW8bit,
     AdamWFactored4bit,
     AdamWFp8,
+    AdEMAMix4bit,
+    AdEMAMix8bit,
+    Lion4bit,
+    Lion8bit,
     LowBitAdamW,
+    LowBitOptimizer,
 )
 from lowbit_optim.optim.release import GradientRelease, release_gradients
 from lowbit_optim.optim.rounding_guard import (
@@ -32,12 +37,17 @@ __all__ = [
     "AdamW8bit",
     "AdamWFp8",
     "AdamWFactored4bit",
+    "AdEMAMix4bit",
+    "AdEMAMix8bit",
     "CPUOffloadOptimizer",
     "FactoredState",
     "FORMATS",
     "GradientRelease",
+    "Lion4bit",
+    "Lion8bit",
     "LostUpdates",
     "LowBitAdamW",
+    "LowBitOptimizer",
     "load_master_weights",
     "master_weights_state_dict",
     "QuantFormat",

@@ -320,9 +320,9 @@ def test_small_parameters_are_stepped_together_at_the_end_of_backward(monkeypatc
     release_gradients(optimizer)
     flat_steps, flat_step = [], float_state.FloatStateStep.step
 
-    def counted(self, grads, **options):
+    def counted(self, grads, update, **options):
         flat_steps.append(len(grads))
-        return flat_step(self, grads, **options)
+        return flat_step(self, grads, update, **options)
 
     monkeypatch.setattr(float_state.FloatStateStep, "step", counted)
     for _ in range(2):

@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lowbit_optim import AdamW4bit, AdamW8bit
-from lowbit_optim.step import dispatch
+from lowbit_optim.step import float_state
 from lowbit_optim.step.math import adamw_update
 
 
@@ -87,7 +87,7 @@ def test_a_big_float_state_parameter_is_not_copied_into_the_flat_step(monkeypatc
     """With ``min_quant_size`` raised, a big parameter keeps float moments; it steps alone
     (nothing parameter-sized is gathered or concatenated), while the small ones beside it
     still share one step."""
-    monkeypatch.setattr(dispatch, "FLAT_FLOAT_STATE_BELOW", 1000)
+    monkeypatch.setattr(float_state, "FLAT_FLOAT_STATE_BELOW", 1000)
     big = torch.nn.Parameter(torch.randn(5000))
     params = [big, *small_params(4)]
     optimizer = AdamW8bit(params, min_quant_size=10**9, backend="eager")

@@ -59,7 +59,8 @@ def parse_args(argv):
                         help="model and run preset (default: small; gpu-114m wants a GPU)")
     parser.add_argument("--steps", type=int, help="training steps (default: the preset's)")
     parser.add_argument("--optimizers", nargs="+", default=list(DEFAULT_OPTIMIZERS),
-                        help=f"names from {sorted(harness.OPTIMIZERS)}, or 'peers', or 'all' "
+                        help=f"names from {sorted(harness.OPTIMIZERS)}, or 'peers', 'rules' (Lion and "
+                             "AdEMAMix, ours and bitsandbytes') or 'all' "
                              f"(default: {' '.join(DEFAULT_OPTIMIZERS)}); peers that are not "
                              "installed are skipped")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -117,6 +118,12 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
             # later, fp32 on another day) can still be paired by seed.
             final_val_loss_per_seed=val,
         )
+        reference_name = harness.OPTIMIZERS[first["optimizer"]].reference
+        reference = {run["seed"]: run for run in runs.get(reference_name, [])}
+        if reference:
+            gaps = [100 * (run["final_val_loss"] / reference[run["seed"]]["final_val_loss"] - 1)
+                    for run in seeds if run["seed"] in reference]
+            row["val_gap_vs_reference_pct"] = statistics.mean(gaps)
         if baseline:
             base = baseline[first["seed"]]
             row["state_saving"] = base["state_bytes"] / max(first["state_bytes"], 1)
@@ -128,7 +135,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def table_columns(multi_seed: bool) -> list[harness.Column]:
+def table_columns(multi_seed: bool, other_rules: bool = False) -> list[harness.Column]:
     columns = [
         harness.Column("optimizer", "label"),
         harness.Column("state B/param", "state_bytes_per_param", "{:.2f}"),
@@ -147,6 +154,8 @@ def table_columns(multi_seed: bool) -> list[harness.Column]:
     columns.append(harness.Column("val gap vs fp32", "val_gap_pct", "{:+.2f}%"))
     if multi_seed:
         columns.append(harness.Column("gap sd", "val_gap_pct_sd", "{:.2f}"))
+    if other_rules:
+        columns.append(harness.Column("gap vs its fp32 rule", "val_gap_vs_reference_pct", "{:+.2f}%"))
     return columns
 
 
@@ -196,7 +205,8 @@ def main(argv=None) -> int:
         all_runs = [run for seed_runs in finished.values() for run in seed_runs]
         harness.write_json(args.out / "results.json", "train", rows, env=env,
                            config={**config, "runs": all_runs})
-        table = harness.markdown_table(rows, table_columns(len(seeds) > 1))
+        table = harness.markdown_table(rows, table_columns(
+            len(seeds) > 1, any("val_gap_vs_reference_pct" in row for row in rows)))
         run_line = (f"{args.model_size} preset: {rows[0]['params'] / 1e6:.2f}M params, {steps} "
                     f"steps of {preset['batch_size']} x {preset['model'].context} bytes, seeds {seeds}")
         heading = f"{run_line}; {machine}"

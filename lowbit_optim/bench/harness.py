@@ -23,7 +23,16 @@ import torch
 from torch._dynamo.utils import counters
 
 from lowbit_optim.formats.catalog import DYNAMIC_8BIT_UNSIGNED, DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT
-from lowbit_optim.optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
+from lowbit_optim.optim import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFactored4bit,
+    AdamWFp8,
+    AdEMAMix4bit,
+    AdEMAMix8bit,
+    Lion4bit,
+    Lion8bit,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,9 @@ class OptimizerSpec:
     label: str  # what the tables and plots call it
     package: str | None  # the distribution it needs beyond torch and lowbit_optim
     build: Callable  # build(params, **hyperparameters) -> torch.optim.Optimizer
+    # For another update rule than AdamW: the run whose loss it is compared with (the rule
+    # in fp32, which the gap to fp32 AdamW would mix up with the rule's own merit).
+    reference: str | None = None
 
 
 def _torchao(class_name: str):
@@ -42,10 +54,44 @@ def _torchao(class_name: str):
     return build
 
 
-def _bnb_8bit(params, **hyper):
-    import bitsandbytes.optim
+def _bnb(class_name: str, **fixed):
+    def build(params, **hyper):
+        import bitsandbytes.optim
 
-    return bitsandbytes.optim.AdamW8bit(params, **hyper)
+        return getattr(bitsandbytes.optim, class_name)(params, **fixed, **hyper)
+    return build
+
+
+# Lion takes the run's AdamW hyperparameters adapted as its paper advises: a 3x smaller LR and
+# a 3x larger weight decay (the decay per step, lr * weight_decay, stays AdamW's), and its own
+# betas. AdEMAMix takes AdamW's betas and learning rate, and bitsandbytes' beta3 and alpha.
+def _as_lion(build):
+    def adapted(params, *, lr, betas, weight_decay):
+        return build(params, lr=lr / 3, betas=(0.9, 0.99), weight_decay=weight_decay * 3)
+    return adapted
+
+
+def _as_ademamix(build):
+    def adapted(params, *, lr, betas, weight_decay):
+        return build(params, lr=lr, betas=(*betas, 0.9999), weight_decay=weight_decay)
+    return adapted
+
+
+_RULE_ROWS = (
+    # name, label, package, build, reference
+    ("bnb_lion_32bit", "bitsandbytes Lion (fp32)", "bitsandbytes", _as_lion(_bnb("Lion")), None),
+    ("lowbit_lion_8bit", "lowbit_optim Lion8bit", None, _as_lion(Lion8bit), "bnb_lion_32bit"),
+    ("lowbit_lion_4bit", "lowbit_optim Lion4bit", None, _as_lion(Lion4bit), "bnb_lion_32bit"),
+    ("bnb_lion_8bit", "bitsandbytes Lion8bit", "bitsandbytes", _as_lion(_bnb("Lion8bit")), "bnb_lion_32bit"),
+    ("bnb_ademamix_32bit", "bitsandbytes AdEMAMix (fp32)", "bitsandbytes", _as_ademamix(_bnb("AdEMAMix")),
+     None),
+    ("lowbit_ademamix_8bit", "lowbit_optim AdEMAMix8bit", None, _as_ademamix(AdEMAMix8bit),
+     "bnb_ademamix_32bit"),
+    ("lowbit_ademamix_4bit", "lowbit_optim AdEMAMix4bit", None, _as_ademamix(AdEMAMix4bit),
+     "bnb_ademamix_32bit"),
+    ("bnb_ademamix_8bit", "bitsandbytes AdEMAMix8bit", "bitsandbytes", _as_ademamix(_bnb("AdEMAMix8bit")),
+     "bnb_ademamix_32bit"),
+)
 
 
 class _ZeroMapAdamW8bit(AdamW8bit):
@@ -94,9 +140,12 @@ OPTIMIZERS = {
         OptimizerSpec("torchao_8bit", "torchao AdamW8bit", "torchao", _torchao("AdamW8bit")),
         OptimizerSpec("torchao_4bit", "torchao AdamW4bit", "torchao", _torchao("AdamW4bit")),
         OptimizerSpec("torchao_fp8", "torchao AdamWFp8", "torchao", _torchao("AdamWFp8")),
-        OptimizerSpec("bnb_8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb_8bit),
+        OptimizerSpec("bnb_8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb("AdamW8bit")),
+        *(OptimizerSpec(*row) for row in _RULE_ROWS),
     )
 }
+# ``--optimizers rules``: Lion and AdEMAMix, ours and bitsandbytes', each with its fp32 reference.
+RULES = tuple(row[0] for row in _RULE_ROWS)
 PEERS = ("torchao_8bit", "torchao_4bit", "torchao_fp8", "bnb_8bit")
 
 
@@ -120,7 +169,7 @@ def resolve_optimizers(names: Iterable[str], *, all_names: Iterable[str]) -> tup
     """
     expanded: list[str] = []
     for name in names:
-        group = {"all": list(all_names), "peers": list(PEERS)}.get(name, [name])
+        group = {"all": list(all_names), "peers": list(PEERS), "rules": list(RULES)}.get(name, [name])
         for item in group:
             if item not in OPTIMIZERS:
                 raise ValueError(f"Unknown optimizer {item!r}; choose from {sorted(OPTIMIZERS)}, "

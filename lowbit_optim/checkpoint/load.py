@@ -24,7 +24,7 @@ import torch
 
 from lowbit_optim.checkpoint.torchao import quantized_from_torchao
 from lowbit_optim.state.factored import FactoredState, factor_shape
-from lowbit_optim.state.quantized import MOMENT_KEYS, QuantizedState
+from lowbit_optim.state.quantized import QuantizedState
 from lowbit_optim.state.sharding import (
     factored_from_float,
     is_dtensor,
@@ -130,8 +130,9 @@ def validate_state_dict(optimizer, state_dict, slots: dict | None = None) -> Non
         missing = [key for key in keys if key not in entry]
         if missing:
             raise ValueError(f"{slot.label}: state has no {', '.join(missing)}")
-        if not group["amsgrad"] and "max_exp_avg_sq" in entry:
-            raise ValueError(f"{slot.label}: state has max_exp_avg_sq but its group has amsgrad=False")
+        for key in optimizer.rule.all_moment_keys:
+            if key in entry and key not in keys:  # amsgrad's maximum without amsgrad
+                raise ValueError(f"{slot.label}: state has {key} but its group has amsgrad=False")
         for key in keys:
             _check_moment(optimizer, slot, group, key, entry[key])
         check_loaded_correction(slot.label, slot.param, group["master_weight_bits"],
@@ -277,14 +278,14 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
     for saved_id, entry in state_dict["state"].items():
         # Held back from torch's cast to the parameter's dtype too: the integer correction.
         keep = {k: v for k, v in entry.items()
-                if k not in ("step", CORRECTION_KEY) and not _is_plain_moment(k, v)}
+                if k not in ("step", CORRECTION_KEY) and not _is_plain_moment(optimizer, k, v)}
         held[saved_id] = (list(entry), {k: v for k, v in entry.items() if k not in keep})
         state[saved_id] = keep
     return PreparedLoad({**state_dict, "state": state}, slots, held)
 
 
-def _is_plain_moment(key, value) -> bool:
-    return key in MOMENT_KEYS and not isinstance(local(value), STORED_MOMENTS)
+def _is_plain_moment(optimizer, key, value) -> bool:
+    return key in optimizer.rule.all_moment_keys and not isinstance(local(value), STORED_MOMENTS)
 
 
 # --- conversion -----------------------------------------------------------------------------
@@ -310,15 +311,16 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     groups = []
     for index, (saved, own) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
         # torch.optim.AdamW's groups say True; torchao's say nothing (their class decides).
-        decoupled = saved.get("decoupled_weight_decay", own["decoupled_weight_decay"])
-        if decoupled != own["decoupled_weight_decay"] and saved.get("weight_decay", 0) != 0:
+        own_decoupled = own.get("decoupled_weight_decay", True)
+        decoupled = saved.get("decoupled_weight_decay", own_decoupled)
+        if decoupled != own_decoupled and saved.get("weight_decay", 0) != 0:
             kinds = {True: "decoupled weight decay (AdamW)", False: "L2 weight decay (Adam)"}
             raise ValueError(
                 f"parameter group {index} of the loaded state dict uses {kinds[decoupled]}; "
-                f"{type(optimizer).__name__} uses {kinds[own['decoupled_weight_decay']]}"
+                f"{type(optimizer).__name__} uses {kinds[own_decoupled]}"
             )
         group = {k: v for k, v in saved.items() if k not in TORCH_ADAMW_GROUP_OPTIONS}
-        group.update({k: own[k] for k in (*LOWBIT_GROUP_KEYS, "decoupled_weight_decay")})
+        group.update({k: own[k] for k in (*LOWBIT_GROUP_KEYS, "decoupled_weight_decay") if k in own})
         groups.append(group)
     group_of = {saved_id: groups[i] for i, g in enumerate(groups) for saved_id in g["params"]}
 
@@ -329,7 +331,7 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
         if "step" in entry:
             converted["step"] = torch.as_tensor(entry["step"]).to(device="cpu", dtype=torch.float32)
         group = group_of[saved_id]
-        for key in MOMENT_KEYS:
+        for key in optimizer.rule.all_moment_keys:
             value = entry.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
@@ -459,9 +461,9 @@ def _float32_copy(param: torch.Tensor) -> torch.Tensor:
     return local(param).detach().to(torch.float32, copy=True)
 
 
-def _map_moments(state_dict: dict, slots: dict, convert) -> dict:
-    """``state_dict`` with ``convert(slot, key, moment)`` applied to every moment of a known
-    parameter (``None``: the moment stays as it is). Nothing is modified."""
+def _map_moments(state_dict: dict, slots: dict, keys: tuple[str, ...], convert) -> dict:
+    """``state_dict`` with ``convert(slot, key, moment)`` applied to every moment (``keys``) of
+    a known parameter (``None``: the moment stays as it is). Nothing is modified."""
     state = {}
     for saved_id, entry in state_dict["state"].items():
         slot = slots.get(saved_id)
@@ -469,7 +471,7 @@ def _map_moments(state_dict: dict, slots: dict, convert) -> dict:
             state[saved_id] = entry
             continue
         entry = dict(entry)
-        for key in MOMENT_KEYS:
+        for key in keys:
             if key in entry:
                 converted = convert(slot, key, entry[key])
                 if converted is not None:
@@ -504,7 +506,7 @@ def _store_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
             return None
         return _stored_moment(optimizer, slot.param, group, key, value)
 
-    return _map_moments(state_dict, slots, convert)
+    return _map_moments(state_dict, slots, optimizer.rule.all_moment_keys, convert)
 
 
 def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
@@ -519,7 +521,7 @@ def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
         adopted = QuantizedState(shard.codes, shard.scales, fmt.name, shard.shape, shard.dtype)
         return wrap_like(adopted, value) if is_dtensor(value) else adopted
 
-    return _map_moments(state_dict, slots, convert)
+    return _map_moments(state_dict, slots, optimizer.rule.all_moment_keys, convert)
 
 
 def _with_current_group_options(optimizer, state_dict: dict) -> dict:

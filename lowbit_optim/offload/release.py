@@ -4,7 +4,7 @@ started by the optimizer's own hook, which runs first), host step, upload."""
 
 import torch
 
-from lowbit_optim.optim.base import LowBitAdamW
+from lowbit_optim.optim.base import LowBitOptimizer
 from lowbit_optim.optim.release import ParameterSteps
 
 
@@ -13,7 +13,7 @@ class OffloadedSteps:
     its own hook), host step, upload, as its ``step()`` does for all of them together."""
 
     def __init__(self, optimizer):
-        if not isinstance(optimizer.host_optimizer, LowBitAdamW):
+        if not isinstance(optimizer.host_optimizer, LowBitOptimizer):
             raise TypeError(
                 "release_gradients needs CPUOffloadOptimizer's host optimizer to be one of "
                 f"lowbit_optim's (got {type(optimizer.host_optimizer).__name__}): only those "

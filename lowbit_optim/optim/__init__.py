@@ -1,5 +1,6 @@
-"""The optimizers: ``LowBitAdamW`` (``base``: arguments, state creation, ``step``,
-``load_state_dict``) and the public classes that name its formats (``adamw``)."""
+"""The optimizers: ``LowBitOptimizer`` (``base``: arguments, state creation, ``step``,
+``load_state_dict``, for any update rule), ``LowBitAdamW`` and the public classes, each naming
+its rule and formats: AdamW/Adam (``adamw``), Lion (``lion``), AdEMAMix (``ademamix``)."""
 
 from lowbit_optim.optim.adamw import (
     Adam4bit,
@@ -10,7 +11,9 @@ from lowbit_optim.optim.adamw import (
     AdamWFactored4bit,
     AdamWFp8,
 )
-from lowbit_optim.optim.base import LowBitAdamW
+from lowbit_optim.optim.ademamix import AdEMAMix4bit, AdEMAMix8bit
+from lowbit_optim.optim.base import LowBitAdamW, LowBitOptimizer
+from lowbit_optim.optim.lion import Lion4bit, Lion8bit
 
 __all__ = ["Adam4bit", "Adam8bit", "AdamFp8", "AdamW4bit", "AdamW8bit", "AdamWFactored4bit", "AdamWFp8",
-           "LowBitAdamW"]
+           "AdEMAMix4bit", "AdEMAMix8bit", "Lion4bit", "Lion8bit", "LowBitAdamW", "LowBitOptimizer"]

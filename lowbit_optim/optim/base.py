@@ -1,10 +1,12 @@
-"""``LowBitAdamW``: the drop-in ``torch.optim.AdamW`` whose moments are stored in low bits.
+"""``LowBitOptimizer``: an optimizer whose moments are stored in low bits, generic over its
+update rule (``step.rules``), and ``LowBitAdamW``, the drop-in ``torch.optim.AdamW``.
 
-The public classes (``AdamW8bit``, ``AdamW4bit``) only name the two state formats
-(``AdamWFactored4bit`` also says which second moments are factored, ``is_factored``); all
-behaviour lives here. Parameters with at least ``min_quant_size`` elements get quantized
-moments (``QuantizedState``); smaller ones (biases, norms) keep float32 moments (float64 for
-float64 parameters), which cost little and follow ``torch.optim.AdamW`` to within rounding.
+The public classes (``AdamW8bit``, ``Lion8bit``, ``AdEMAMix4bit``, ...) name their rule and
+their signed and unsigned formats (``AdamWFactored4bit`` also says which second moments are
+factored, ``is_factored``); all behaviour lives here. Parameters with at least
+``min_quant_size`` elements get quantized moments (``QuantizedState``); smaller ones (biases,
+norms) keep float32 moments (float64 for float64 parameters), which cost little and follow
+the rule's exact arithmetic (``torch.optim.AdamW``'s, for AdamW) to within rounding.
 With ``master_weight_bits`` (24 or 32), each bfloat16 parameter also keeps an integer
 correction that makes it a 24- or 32-bit master weight (``master_weights``).
 ``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
@@ -17,10 +19,9 @@ from torch.optim import Optimizer
 from lowbit_optim.checkpoint import load as checkpoint
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state import sharding
-from lowbit_optim.state.quantized import MOMENT_KEYS
 from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
-from lowbit_optim.step.hyperparams import GroupScalars, check_hyperparameters
+from lowbit_optim.step.hyperparams import GroupScalars, StepOptions
 from lowbit_optim.step.master_weights import (
     CORRECTION_KEY,
     check_master_weight_options,
@@ -30,6 +31,8 @@ from lowbit_optim.step.master_weights import (
 )
 from lowbit_optim.step.math import compute_dtype
 from lowbit_optim.step.plan import GroupPlan
+from lowbit_optim.step.rules.adamw import ADAMW
+from lowbit_optim.step.rules.base import UpdateRule
 
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 4096
@@ -41,53 +44,41 @@ def capturing_cuda_graph() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-class LowBitAdamW(Optimizer):
-    """AdamW with blockwise-quantized moments. Subclasses set the two formats."""
+class LowBitOptimizer(Optimizer):
+    """An optimizer whose moments are stored blockwise in low bits, for any update rule.
 
-    exp_avg_format: QuantFormat
-    exp_avg_sq_format: QuantFormat
-    # AdamW's decoupled weight decay; the Adam classes add it to the gradient (L2) instead.
-    # Every group records it (as torch.optim.Adam's groups do), so state dicts say which.
-    decoupled_weight_decay = True
+    Subclasses set ``rule`` (``step.rules``) and the formats of its signed and unsigned
+    moments, and build ``defaults`` with ``_defaults`` from their own arguments (each keeps the
+    signature its users know: torch's AdamW, bitsandbytes' Lion8bit, ...).
+    """
+
+    rule: UpdateRule
+    signed_format: QuantFormat
+    unsigned_format: QuantFormat
     # The active ``optim.release.GradientRelease``, if any: backward steps the parameters
     # then, and ``step()`` only ends the step.
     _gradient_release = None
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, block_size=None, min_quant_size=4096,
-                 bf16_stochastic_round=False, master_weight_bits=None, backend=None):
-        """``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
-        ``torch.optim.AdamW``'s implementation choices, taken so that code written for it
-        runs unchanged, and kept in the param groups as torch keeps them. The step is always
-        one fused pass per kind of state, so ``fused`` and ``foreach`` (None, True or False)
-        change nothing. ``capturable=True`` and ``differentiable=True`` are refused
-        (``_check_group`` says why)."""
-        if block_size is None:
-            block_size = self.exp_avg_format.default_block_size
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, foreach=foreach, capturable=capturable,
-            differentiable=differentiable, fused=fused, block_size=block_size,
-            min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
-            master_weight_bits=master_weight_bits,
-            decoupled_weight_decay=self.decoupled_weight_decay,
-        )
+    def __init__(self, params, defaults: dict, *, backend=None):
         self._init_step_helpers()
         super().__init__(params, defaults)
         # From the parameters' devices: None picks "triton" only when they are all CUDA.
         self.backend = resolve_backend(backend, self._devices())
-        if backend == "triton":
-            for group in self.param_groups:
-                self._refuse_triton_master_weights(group)
+        for group in self.param_groups:
+            self._check_backend_options(group, backend)
 
-    def _refuse_triton_master_weights(self, group: dict) -> None:
-        if group["master_weight_bits"] is not None:
-            raise ValueError(
-                f"Invalid master_weight_bits: {group['master_weight_bits']!r} with "
-                "backend='triton' (the Triton kernel has no master weight variant yet); use "
-                "backend=None, which steps parameters with master weights through the compiled step"
-            )
+    def _defaults(self, hyperparameters: dict, *, maximize=False, block_size=None, min_quant_size=4096,
+                  bf16_stochastic_round=False, master_weight_bits=None) -> dict:
+        """The group defaults: the rule's ``hyperparameters`` and the storage options every
+        class takes (``block_size=None``: the signed format's default)."""
+        if block_size is None:
+            block_size = self.signed_format.default_block_size
+        return dict(hyperparameters, maximize=maximize, block_size=block_size,
+                    min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
+                    master_weight_bits=master_weight_bits)
+
+    def _check_backend_options(self, group: dict, backend) -> None:
+        """Refuse a group option the chosen ``backend`` cannot honour (none by default)."""
 
     def _init_step_helpers(self) -> None:
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
@@ -109,15 +100,15 @@ class LowBitAdamW(Optimizer):
         if "backend" not in self.__dict__:
             self.backend = resolve_backend(None, self._devices())
         for group in self.param_groups:
-            group.setdefault("amsgrad", False)
-            group.setdefault("maximize", False)
-            group.setdefault("bf16_stochastic_round", False)
-            group.setdefault("master_weight_bits", None)
-            group.setdefault("block_size", self.exp_avg_format.default_block_size)
-            group.setdefault("min_quant_size", 4096)
-            group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
-            for key, value in checkpoint.TORCH_ADAMW_GROUP_OPTIONS.items():
-                group.setdefault(key, value)
+            self._fill_group_options(group)
+
+    def _fill_group_options(self, group: dict) -> None:
+        """Options a group pickled by an older version lacks, at their defaults."""
+        group.setdefault("maximize", False)
+        group.setdefault("bf16_stochastic_round", False)
+        group.setdefault("master_weight_bits", None)
+        group.setdefault("block_size", self.signed_format.default_block_size)
+        group.setdefault("min_quant_size", 4096)
 
     def load_state_dict(self, state_dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, checked first, float32 state kept float32.
@@ -147,8 +138,8 @@ class LowBitAdamW(Optimizer):
             if isinstance(tensor, torch.Tensor):
                 self._check_param(tensor)
                 check_master_weight_param(tensor, candidate["master_weight_bits"], type(self).__name__)
-        if getattr(self, "backend", None) == "triton":
-            self._refuse_triton_master_weights(candidate)
+        if getattr(self, "backend", None) is not None:
+            self._check_backend_options(candidate, self.backend)
         if not isinstance(params, set):
             self._refuse_duplicates(params)
         super().add_param_group(param_group)
@@ -187,7 +178,9 @@ class LowBitAdamW(Optimizer):
             )
 
     def _check_group(self, group: dict) -> None:
-        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        self.rule.check_hyperparameters(group)
+        if not isinstance(group["maximize"], bool):
+            raise ValueError(f"Invalid maximize: {group['maximize']!r} (a bool is needed)")
         block_size = group["block_size"]
         valid_size = (
             isinstance(block_size, int) and not isinstance(block_size, bool)
@@ -199,39 +192,21 @@ class LowBitAdamW(Optimizer):
                 f"Invalid block_size: {block_size!r} (a power of two from {MIN_BLOCK_SIZE} "
                 f"to {MAX_BLOCK_SIZE} is needed)"
             )
-        if not isinstance(group["decoupled_weight_decay"], bool):
-            raise ValueError(
-                f"Invalid decoupled_weight_decay: {group['decoupled_weight_decay']!r} (a bool is needed)"
-            )
         min_quant_size = group["min_quant_size"]
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
         check_master_weight_options(group["master_weight_bits"], group["bf16_stochastic_round"])
-        for key in ("foreach", "fused"):
-            if not (group[key] is None or isinstance(group[key], bool)):
-                raise ValueError(f"Invalid {key}: {group[key]!r} (None, True or False is needed)")
-        if group["capturable"] is not False:
-            raise ValueError(
-                f"Invalid capturable: {group['capturable']!r} ({type(self).__name__} cannot be "
-                "captured in a CUDA graph: its step reads the learning rate and step count on the "
-                "host at every launch, so a replay would repeat the captured values; use "
-                "capturable=False)"
-            )
-        if group["differentiable"] is not False:
-            raise ValueError(
-                f"Invalid differentiable: {group['differentiable']!r} ({type(self).__name__}'s step "
-                "is not differentiable: autograd cannot pass through quantized moments; use "
-                "differentiable=False)"
-            )
 
     # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
     def moment_keys(self, group: dict) -> tuple[str, ...]:
-        """The moments a parameter of ``group`` has (``max_exp_avg_sq`` only with amsgrad)."""
-        return MOMENT_KEYS if group["amsgrad"] else MOMENT_KEYS[:2]
+        """The moments a parameter of ``group`` has, in the rule's order (AdamW's
+        ``max_exp_avg_sq`` only with amsgrad)."""
+        return self.rule.moment_keys(group)
 
     def moment_format(self, key: str) -> QuantFormat:
-        """The format of quantized moment ``key``: amsgrad's maximum is a second moment."""
-        return self.exp_avg_format if key == "exp_avg" else self.exp_avg_sq_format
+        """The format of quantized moment ``key``: the signed or the unsigned one, as the rule
+        declares the moment."""
+        return self.signed_format if self.rule.moment(key).signed else self.unsigned_format
 
     def is_quantized(self, param: torch.Tensor, group: dict) -> bool:
         """Whether ``param``'s moments are quantized (else float32, float64 for float64).
@@ -299,7 +274,7 @@ class LowBitAdamW(Optimizer):
 
     def _scalars(self, index: int) -> GroupScalars:
         while len(self._group_scalars) <= index:
-            self._group_scalars.append(GroupScalars())
+            self._group_scalars.append(GroupScalars(self.rule))
         return self._group_scalars[index]
 
     @torch.no_grad()
@@ -339,21 +314,24 @@ class LowBitAdamW(Optimizer):
             if grads is None:
                 self._check_grads(group)
             gradients.append(grads)
-        scalars = [self._scalars(i) for i in range(len(self.param_groups))]
-        for group_scalars, group in zip(scalars, self.param_groups):
-            group_scalars.refresh(group)
-        for index, (group, group_scalars, grads) in enumerate(zip(self.param_groups, scalars, gradients)):
+        for index, group in enumerate(self.param_groups):
+            self._scalars(index).refresh(group)
+        for index, (group, grads) in enumerate(zip(self.param_groups, gradients)):
             plan = self._plans[index]
             if grads is None or not plan.steps_unchanged():
                 plan = self._plans[index] = self._init_group(group)
                 grads = plan.gradients(group["params"], self.state, self.backend)
-            plan.step(
-                grads, lr=group_scalars.lr, beta1=group_scalars.beta1, beta2=group_scalars.beta2,
-                eps=group_scalars.eps, weight_decay=group_scalars.weight_decay,
-                maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
-                scratch=self._tail_scratch, rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,
-                decoupled_weight_decay=group["decoupled_weight_decay"],
-            )
+            self._step_group(index, plan, grads)
+
+    def _step_group(self, index: int, plan: GroupPlan, grads: list[torch.Tensor]) -> None:
+        """Step param group ``index`` through ``plan`` with ``grads`` (its hyperparameters
+        already refreshed): the one call every way of stepping (``step``, gradient release) makes."""
+        group = self.param_groups[index]
+        options = StepOptions(
+            maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
+            rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,
+            decoupled_weight_decay=group.get("decoupled_weight_decay", True))
+        plan.step(grads, self._scalars(index), options, self._tail_scratch)
 
     def _init_group(self, group: dict) -> GroupPlan:
         """The group's parameters that have a gradient, with their state (created on first
@@ -365,10 +343,92 @@ class LowBitAdamW(Optimizer):
                 state = self.state[param]
                 if not state:
                     self._init_state(param, group, state)
-        return GroupPlan(group["params"], self.state, self.backend)
+        return self._plan(group["params"], group)
+
+    def _plan(self, params: list[torch.Tensor], group: dict) -> GroupPlan:
+        """A plan for ``params`` of ``group`` (their states created)."""
+        return GroupPlan(params, self.state, self.backend, self.rule, group)
 
 
 def _tensor_of(param):
     """The tensor of a params entry: ``named_parameters()`` gives (name, parameter) pairs,
     which torch accepts."""
     return param[1] if isinstance(param, tuple) and len(param) == 2 else param
+
+
+class LowBitAdamW(LowBitOptimizer):
+    """``torch.optim.AdamW`` (``Adam`` with ``decoupled_weight_decay = False``) with
+    blockwise-quantized moments. Subclasses set the two formats."""
+
+    rule = ADAMW
+    exp_avg_format: QuantFormat
+    exp_avg_sq_format: QuantFormat
+    # AdamW's decoupled weight decay; the Adam classes add it to the gradient (L2) instead.
+    # Every group records it (as torch.optim.Adam's groups do), so state dicts say which.
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, block_size=None, min_quant_size=4096,
+                 bf16_stochastic_round=False, master_weight_bits=None, backend=None):
+        """``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
+        ``torch.optim.AdamW``'s implementation choices, taken so that code written for it
+        runs unchanged, and kept in the param groups as torch keeps them. The step is always
+        one fused pass per kind of state, so ``fused`` and ``foreach`` (None, True or False)
+        change nothing. ``capturable=True`` and ``differentiable=True`` are refused
+        (``_check_group`` says why)."""
+        hyperparameters = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=self.decoupled_weight_decay)
+        defaults = self._defaults(hyperparameters, maximize=maximize, block_size=block_size,
+                                  min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
+                                  master_weight_bits=master_weight_bits)
+        super().__init__(params, defaults, backend=backend)
+
+    @property
+    def signed_format(self) -> QuantFormat:
+        return self.exp_avg_format
+
+    @property
+    def unsigned_format(self) -> QuantFormat:
+        return self.exp_avg_sq_format
+
+    def _check_backend_options(self, group: dict, backend) -> None:
+        if backend == "triton" and group["master_weight_bits"] is not None:
+            raise ValueError(
+                f"Invalid master_weight_bits: {group['master_weight_bits']!r} with "
+                "backend='triton' (the Triton kernel has no master weight variant yet); use "
+                "backend=None, which steps parameters with master weights through the compiled step"
+            )
+
+    def _fill_group_options(self, group: dict) -> None:
+        super()._fill_group_options(group)
+        group.setdefault("amsgrad", False)
+        group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+        for key, value in checkpoint.TORCH_ADAMW_GROUP_OPTIONS.items():
+            group.setdefault(key, value)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ValueError(
+                f"Invalid decoupled_weight_decay: {group['decoupled_weight_decay']!r} (a bool is needed)"
+            )
+        for key in ("foreach", "fused"):
+            if not (group[key] is None or isinstance(group[key], bool)):
+                raise ValueError(f"Invalid {key}: {group[key]!r} (None, True or False is needed)")
+        if group["capturable"] is not False:
+            raise ValueError(
+                f"Invalid capturable: {group['capturable']!r} ({type(self).__name__} cannot be "
+                "captured in a CUDA graph: its step reads the learning rate and step count on the "
+                "host at every launch, so a replay would repeat the captured values; use "
+                "capturable=False)"
+            )
+        if group["differentiable"] is not False:
+            raise ValueError(
+                f"Invalid differentiable: {group['differentiable']!r} ({type(self).__name__}'s step "
+                "is not differentiable: autograd cannot pass through quantized moments; use "
+                "differentiable=False)"
+            )
+

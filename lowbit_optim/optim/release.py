@@ -43,18 +43,18 @@ import weakref
 
 import torch
 
-from lowbit_optim.optim.base import LowBitAdamW
+from lowbit_optim.optim.base import LowBitOptimizer
 from lowbit_optim.optim.released_gradient import is_released, released_gradient
 from lowbit_optim.state import sharding
-from lowbit_optim.step.dispatch import FLAT_FLOAT_STATE_BELOW
+from lowbit_optim.step import float_state
 from lowbit_optim.step.plan import GroupPlan
 
 
 class ParameterSteps:
-    """Steps the parameters of a ``LowBitAdamW`` one at a time, each with its own cached
+    """Steps the parameters of a ``LowBitOptimizer`` one at a time, each with its own cached
     plan, or a group's small float-state parameters together (``step_together``)."""
 
-    def __init__(self, optimizer: LowBitAdamW):
+    def __init__(self, optimizer: LowBitOptimizer):
         self.optimizer = optimizer
         self.plans: dict[torch.Tensor, GroupPlan] = {}  # one parameter's
         self.together_plans: dict[int, GroupPlan] = {}  # per group index
@@ -88,7 +88,7 @@ class ParameterSteps:
         small = self.small.get(param)
         if small is None:
             group = self.optimizer.param_groups[self.position(param)[0]]
-            small = self.small[param] = (param.numel() < FLAT_FLOAT_STATE_BELOW
+            small = self.small[param] = (param.numel() < float_state.FLAT_FLOAT_STATE_BELOW
                                          and not self.optimizer.is_quantized(param, group))
         return small
 
@@ -115,16 +115,7 @@ class ParameterSteps:
         if grads is None or not plan.steps_unchanged():
             plan = self._plan(params)
             grads = plan.gradients(params, optimizer.state, optimizer.backend)
-        index = self.position(params[0])[0]
-        group = optimizer.param_groups[index]
-        scalars = optimizer._scalars(index)
-        plan.step(
-            grads, lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
-            weight_decay=scalars.weight_decay, maximize=group["maximize"],
-            stochastic_round=group["bf16_stochastic_round"], scratch=optimizer._tail_scratch,
-            rounding_stream=(sharding.rank() << 16) | index,
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-        )
+        optimizer._step_group(self.position(params[0])[0], plan, grads)
         return plan
 
     def _plan(self, params: list[torch.Tensor]) -> GroupPlan:
@@ -137,7 +128,7 @@ class ParameterSteps:
             if not state:
                 optimizer._init_state(param, group, state)
                 self.created_state = True
-        return GroupPlan(params, optimizer.state, optimizer.backend)
+        return optimizer._plan(params, group)
 
     def order_state(self) -> None:
         """Put ``optimizer.state`` in parameter order, as ordinary stepping creates it:
@@ -275,7 +266,7 @@ def release_gradients(optimizer) -> GradientRelease:
     stepped and ends the step. Refused: DDP (plain parameters in a multi-rank process group).
     Told when used: clipping, ``GradScaler``, gradient accumulation (see docs/gradient_release.md).
     """
-    if isinstance(optimizer, LowBitAdamW):
+    if isinstance(optimizer, LowBitOptimizer):
         steps = ParameterSteps(optimizer)
     elif hasattr(optimizer, "_gradient_release_steps"):  # CPUOffloadOptimizer (a higher layer)
         steps = optimizer._gradient_release_steps()

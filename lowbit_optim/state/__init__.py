@@ -6,6 +6,6 @@ blockwise codes and scales (``QuantizedState``) or row and column statistics
 
 from lowbit_optim.state.factored import FactoredState
 from lowbit_optim.state.memory import state_bytes
-from lowbit_optim.state.quantized import MOMENT_KEYS, QuantizedState
+from lowbit_optim.state.quantized import QuantizedState
 
-__all__ = ["MOMENT_KEYS", "FactoredState", "QuantizedState", "state_bytes"]
+__all__ = ["FactoredState", "QuantizedState", "state_bytes"]

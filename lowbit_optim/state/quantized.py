@@ -38,9 +38,6 @@ from lowbit_optim.state.stored_tensor import SHARED_HANDLERS, StoredTensor, infe
 
 aten = torch.ops.aten
 
-# The optimizer moments, in torch.optim.AdamW's names; max_exp_avg_sq only with amsgrad.
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
 
 class QuantizedState(StoredTensor):
     # The name torch.save writes for this class, and torch.load(weights_only=True) checks:

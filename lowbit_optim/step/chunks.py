@@ -17,6 +17,8 @@ import types
 from typing import NamedTuple
 
 import torch
+import torch._dynamo
+import torch.fx.experimental._config as fx_config
 
 # The most elements one call of the compiled (or eager) step updates. Its generated code keeps
 # buffers of its input's size between passes (measured: ~23 bytes per element for the 4-bit
@@ -66,6 +68,34 @@ def with_own_code_object(fn, name: str):
     copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__  # the keyword-only defaults (FunctionType drops them)
     return functools.update_wrapper(copy, fn)
+
+
+def call_step(function, compiled: bool, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], *args, **kwargs):
+    """``function(*args, **kwargs)``; ``compiled``: with the sizes in ``dynamic`` (a tensor and
+    its dims) marked dynamic, so that one graph serves every shape.
+
+    Size-oblivious reasoning too: without it a one-block tensor (a small parameter, or a
+    partial last block) is specialised to size 1 and gets a graph of its own; with it the
+    single dynamic graph serves every block count, 1 included.
+    """
+    if not compiled:
+        return function(*args, **kwargs)
+    for tensor, dims in dynamic:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    with fx_config.patch(backed_size_oblivious=True):
+        return function(*args, **kwargs)
+
+
+def leading_dims(tensors) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """``call_step``'s ``dynamic`` for block-shaped tensors: the block count of each (``None``s skipped)."""
+    return [(tensor, (0,)) for tensor in tensors if tensor is not None]
+
+
+def compiled_graph_count_of(compiled_function) -> int:
+    """How many graphs Dynamo holds for a ``torch.compile``'d function (0 before its first call)."""
+    code = compiled_function._torchdynamo_orig_callable.__code__
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
 
 class TailScratch:

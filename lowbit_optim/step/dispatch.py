@@ -1,9 +1,10 @@
-"""How a step runs: the backend choice and the functional entry point ``adamw``, which
-sends each parameter to the implementation its state needs (``AdamWPlan``: float moments to
-``float_state``, quantized ones to ``quantized`` or the Triton kernels, factored ones to
-``factored``).
+"""How an AdamW step runs: the backend choice (``resolve_backend``, for every rule) and
+``AdamWPlan``, which sends each parameter of a param group to the implementation its state
+needs: float moments to ``float_state``, quantized ones to ``quantized`` (compiled or eager),
+the Triton kernels or the C++ CPU kernel, factored ones to ``factored``.
 """
 
+import functools
 import importlib.util
 import os
 
@@ -14,17 +15,12 @@ from lowbit_optim.state.quantized import QuantizedState
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.chunks import ParamStep, PlannedStep, TailScratch
 from lowbit_optim.step.factored import FactoredParams
-from lowbit_optim.step.float_state import FloatStateStep
-from lowbit_optim.step.math import StepScalars
+from lowbit_optim.step.float_state import FloatStateStep, float_state_groups
+from lowbit_optim.step.hyperparams import StepOptions
+from lowbit_optim.step.math import StepScalars, adamw_update
 from lowbit_optim.step.quantized import run_quantized_step
 
 BACKENDS = ("compile", "eager", "triton", "cpu")
-
-# Parameters with float moments and fewer elements than this (norms, biases) are stepped
-# together as one flat tensor; larger ones (a raised min_quant_size) alone, so that no
-# parameter-sized copy is made of them.
-FLAT_FLOAT_STATE_BELOW = 1 << 16
-
 
 def _triton_interpreter_on() -> bool:
     # Triton's own parsing of the variable (lowbit_optim.step.kernels is defined by it).
@@ -66,27 +62,6 @@ def resolve_backend(backend: str | None, devices=()) -> str:
     return backend
 
 
-def adamw(entries: list[ParamStep], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
-          eps: torch.Tensor, weight_decay: torch.Tensor, maximize: bool, stochastic_round: bool,
-          backend: str, scratch: TailScratch, rounding_stream: int | None = None,
-          decoupled_weight_decay: bool = True) -> None:
-    """The functional AdamW step over one param group's parameters, in place
-    (``decoupled_weight_decay=False``: ``torch.optim.Adam``'s L2 weight decay instead).
-
-    Hyperparameters are 0-d CPU tensors (``hyperparams.GroupScalars``). Each parameter goes to
-    the implementation its state needs: float moments to ``FloatStateStep`` (small
-    ones together, a fixed number of kernels for any number of them); quantized ones one by
-    one to the compiled (or eager) step, or, with ``backend="triton"``, all together to the
-    Triton kernel (one launch per kind), except float64 parameters, which the kernel does not
-    take and the compiled step does. ``rounding_stream``: see ``kernels.step_group``.
-    ``AdamWPlan`` is the same step with the dispatch worked out once.
-    """
-    AdamWPlan(entries, backend).run(
-        [entry.grad for entry in entries], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round, scratch=scratch,
-        rounding_stream=rounding_stream, decoupled_weight_decay=decoupled_weight_decay)
-
-
 class AdamWPlan:
     """``adamw``'s dispatch for a fixed list of parameters and states, worked out once.
 
@@ -101,20 +76,12 @@ class AdamWPlan:
     def __init__(self, entries: list[ParamStep], backend: str, params: list[torch.Tensor] | None = None):
         self.backend = backend
         params = params or [entry.param for entry in entries]
-        triton_entries, float_state, factored = [], {}, []
+        triton_entries, floats, factored = [], [], []
         self.quantized: list[PlannedStep] = []  # stepped one by one
         self.cpu_kernel: list[PlannedStep] = []  # by the C++ kernel, one by one
         for index, entry in enumerate(entries):
             if not isinstance(entry.exp_avg, QuantizedState):
-                # Small ones share one flat step per (device, dtype, step count, amsgrad); a big
-                # one (min_quant_size raised) steps alone rather than be copied into the flat one.
-                if entry.param.numel() < FLAT_FLOAT_STATE_BELOW:
-                    key = (entry.param.device, entry.param.dtype, float(entry.step),
-                           entry.max_exp_avg_sq is not None,
-                           None if entry.weight_correction is None else entry.weight_correction.dtype)
-                else:
-                    key = id(entry.param)
-                float_state.setdefault(key, []).append(index)
+                floats.append((index, entry))
             elif isinstance(entry.exp_avg_sq, FactoredState):
                 factored.append(index)
             elif (backend == "triton" and entry.param.dtype != torch.float64
@@ -130,14 +97,14 @@ class AdamWPlan:
             else:
                 self.quantized.append(PlannedStep(index, entry._replace(grad=None)))
         self.float_state = []
-        for indices in float_state.values():
+        for indices in float_state_groups(floats, moment_count=_adamw_moment_count):
             group = [entries[i] for i in indices]
-            amsgrad = group[0].max_exp_avg_sq is not None
+            moments = [[e.exp_avg for e in group], [e.exp_avg_sq for e in group]]
+            if group[0].max_exp_avg_sq is not None:
+                moments.append([e.max_exp_avg_sq for e in group])
             master = group[0].weight_correction is not None
             self.float_state.append((indices, group[0].step, FloatStateStep(
-                [e.param for e in group], [e.exp_avg for e in group], [e.exp_avg_sq for e in group],
-                [e.max_exp_avg_sq for e in group] if amsgrad else None,
-                [e.weight_correction for e in group] if master else None)))
+                [e.param for e in group], moments, [e.weight_correction for e in group] if master else None)))
         # The Triton kernel has no factored variant: these go through the compiled step.
         self.factored = FactoredParams([PlannedStep(i, entries[i]._replace(grad=None)) for i in factored],
                                        [params[i] for i in factored]) if factored else None
@@ -149,55 +116,62 @@ class AdamWPlan:
 
             self.triton = kernels.StepGroupPlan([entries[i] for i in triton_entries])
 
-    def _compiled_step(self, entry, grad, scalars, scratch, *, maximize, stochastic_round,
-                       decoupled_weight_decay):
+    def _compiled_step(self, entry, grad, scalars, scratch, options: StepOptions):
         """A quantized parameter through ``quantized_adamw_step`` (compiled unless the backend
         is ``"eager"``)."""
         run_quantized_step(
             "eager" if self.backend == "eager" else "compile", entry._replace(grad=grad), scalars, scratch,
-            maximize=maximize, stochastic_round=stochastic_round,
-            decoupled_weight_decay=decoupled_weight_decay,
+            maximize=options.maximize, stochastic_round=options.stochastic_round,
+            decoupled_weight_decay=options.decoupled_weight_decay,
         )
 
-    def run(self, grads: list[torch.Tensor], *, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
-            eps: torch.Tensor, weight_decay: torch.Tensor, maximize: bool, stochastic_round: bool,
-            scratch: TailScratch, rounding_stream: int | None = None,
-            decoupled_weight_decay: bool = True) -> None:
-        """``adamw``'s step (see there) with ``grads``, one per entry the plan was built from."""
+    def run(self, grads: list[torch.Tensor], hyper, options: StepOptions, scratch: TailScratch) -> None:
+        """One AdamW step of every parameter with ``grads``, one per entry the plan was built
+        from (``hyper``: the group's ``hyperparams.GroupScalars``)."""
+        lr, beta1, beta2, eps, weight_decay = (hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                                               hyper.weight_decay)
+        flags = dict(maximize=options.maximize, stochastic_round=options.stochastic_round,
+                     decoupled_weight_decay=options.decoupled_weight_decay)
         if self.factored is not None:
             self.factored.run(
                 "eager" if self.backend == "eager" else "compile", grads,
-                StepScalars(lr, beta1, beta2, eps, weight_decay, None), scratch,
-                maximize=maximize, stochastic_round=stochastic_round,
-                decoupled_weight_decay=decoupled_weight_decay,
-            )
+                StepScalars(lr, beta1, beta2, eps, weight_decay, None), scratch, **flags)
         for index, entry in self.cpu_kernel:
             grad = grads[index]
             scalars = StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step)
             if grad.dtype != entry.param.dtype:  # planned with a gradient of the parameter's dtype
-                self._compiled_step(entry, grad, scalars, scratch, maximize=maximize,
-                                    stochastic_round=stochastic_round,
-                                    decoupled_weight_decay=decoupled_weight_decay)
+                self._compiled_step(entry, grad, scalars, scratch, options)
                 continue
             cpu_kernel.cpu_adamw_step(
                 entry.param, grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq, scalars,
-                maximize=maximize, stochastic_round=stochastic_round,
-                decoupled_weight_decay=decoupled_weight_decay, isa=self.isa,
-            )
+                **flags, isa=self.isa)
         for index, entry in self.quantized:
-            self._compiled_step(entry, grads[index],
-                                StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step),
-                                scratch, maximize=maximize, stochastic_round=stochastic_round,
-                                decoupled_weight_decay=decoupled_weight_decay)
+            scalars = StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step)
+            self._compiled_step(entry, grads[index], scalars, scratch, options)
         for indices, step, float_state in self.float_state:
-            float_state.step(
-                [grads[i] for i in indices], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                weight_decay=weight_decay, step=step, maximize=maximize, stochastic_round=stochastic_round,
-                decoupled_weight_decay=decoupled_weight_decay,
-            )
+            update = functools.partial(
+                _adamw_float_update, scalars=StepScalars(lr, beta1, beta2, eps, weight_decay, step),
+                maximize=options.maximize, decoupled_weight_decay=options.decoupled_weight_decay)
+            float_state.step([grads[i] for i in indices], update, stochastic_round=options.stochastic_round)
         if self.triton is not None:
             triton_grads = grads if len(self.triton_indices) == len(grads) else [
                 grads[i] for i in self.triton_indices]
-            self.triton.run(triton_grads, lr, beta1, beta2, eps, weight_decay, maximize=maximize,
-                            stochastic_round=stochastic_round, rounding_stream=rounding_stream,
-                            decoupled_weight_decay=decoupled_weight_decay)
+            self.triton.run(triton_grads, lr, beta1, beta2, eps, weight_decay, **flags,
+                            rounding_stream=options.rounding_stream)
+
+
+def _adamw_moment_count(entry: ParamStep) -> int:
+    return 2 if entry.max_exp_avg_sq is None else 3
+
+
+def _adamw_float_update(param, grad, moments: tuple, *, scalars: StepScalars, maximize: bool,
+                        decoupled_weight_decay: bool):
+    """``math.adamw_update`` in ``FloatStateStep``'s shape: float moments are exact
+    ``torch.optim.AdamW`` arithmetic, so no ratio clamp."""
+    exp_avg, exp_avg_sq, *maximum = moments
+    new_param, *new_moments = adamw_update(
+        param, grad, exp_avg, exp_avg_sq, maximum[0] if maximum else None,
+        lr=scalars.lr, beta1=scalars.beta1, beta2=scalars.beta2, eps=scalars.eps,
+        weight_decay=scalars.weight_decay, step=scalars.step, maximize=maximize,
+        decoupled_weight_decay=decoupled_weight_decay)
+    return new_param, new_moments

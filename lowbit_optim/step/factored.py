@@ -28,14 +28,17 @@ import functools
 from typing import NamedTuple
 
 import torch
-import torch._dynamo
-import torch.fx.experimental._config as fx_config
 
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state import sharding
 from lowbit_optim.state.factored import factor_shape, normalized_columns
 from lowbit_optim.step import chunks
-from lowbit_optim.step.chunks import for_each_block_chunk, with_own_code_object
+from lowbit_optim.step.chunks import (
+    call_step,
+    compiled_graph_count_of,
+    for_each_block_chunk,
+    with_own_code_object,
+)
 from lowbit_optim.step.master_weights import read_master, write_master
 from lowbit_optim.step.math import (
     adam_ratio_bound,
@@ -175,24 +178,7 @@ def compiled_functions(exp_avg_format: QuantFormat) -> FactoredFunctions:
 
 def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
     """How many graphs Dynamo holds for the factored step's two functions together."""
-    total = 0
-    for function in compiled_functions(exp_avg_format):
-        code = function._torchdynamo_orig_callable.__code__
-        total += len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
-    return total
-
-
-def _call(function, compiled: bool, dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], *args, **kwargs):
-    """``function(*args, **kwargs)``; compiled, with the sizes in ``dynamic`` (tensor, its
-    dims) marked dynamic so that one graph serves every shape (size-oblivious reasoning: see
-    ``quantized._call``)."""
-    if not compiled:
-        return function(*args, **kwargs)
-    for tensor, dims in dynamic:
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
-    with fx_config.patch(backed_size_oblivious=True):
-        return function(*args, **kwargs)
+    return sum(map(compiled_graph_count_of, compiled_functions(exp_avg_format)))
 
 
 class FactoredParams:
@@ -277,7 +263,7 @@ class FactoredParams:
             chunk = slice(first, min(first + chunk_rows, rows))
             param_rows, grad_rows = param_matrix[chunk], grad_matrix[chunk]
             dynamic = [(param_rows, (0, 1)), (grad_rows, (0, 1))]
-            row_means, column_shares = _call(statistics_step, compiled, dynamic, param_rows, grad_rows,
+            row_means, column_shares = call_step(statistics_step, compiled, dynamic, param_rows, grad_rows,
                                              hyper.beta2, hyper.weight_decay, columns_scalar,
                                              all_rows_scalar, **flags)
             accumulate_statistic(factored.row[chunk], hyper.beta2, row_means)
@@ -309,7 +295,7 @@ class FactoredParams:
             if correction_blocks is not None:
                 dynamic.append((correction_blocks, (0,)))
                 master["weight_correction"] = correction_blocks
-            _call(update_step, compiled, dynamic, blocks, scalars, **options, **master)
+            call_step(update_step, compiled, dynamic, blocks, scalars, **options, **master)
 
         for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update,
                              weight_correction=weight_correction)

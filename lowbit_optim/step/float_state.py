@@ -1,11 +1,12 @@
 """The step of parameters whose moments are kept in float (those below
-``min_quant_size``): ``FloatStateStep`` computes many of them as one flat tensor.
+``min_quant_size``): ``FloatStateStep`` computes many of them as one flat tensor, with any
+update rule's math (``float_state_groups`` says which go together).
 """
 
 import torch
 
 from lowbit_optim.step.master_weights import read_master, split_master
-from lowbit_optim.step.math import adamw_update, compute_dtype, round_to_bfloat16_stochastic
+from lowbit_optim.step.math import compute_dtype, round_to_bfloat16_stochastic
 
 
 class _Flat:
@@ -52,9 +53,33 @@ def consecutive_views(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return base[start - base.storage_offset():offset - base.storage_offset()]
 
 
+# Parameters with float moments and fewer elements than this (norms, biases) are stepped
+# together as one flat tensor; larger ones (a raised min_quant_size) alone, so that no
+# parameter-sized copy is made of them.
+FLAT_FLOAT_STATE_BELOW = 1 << 16
+
+
+def float_state_groups(entries: list[tuple[int, object]], *, moment_count) -> list[list[int]]:
+    """The indices of ``entries`` (``(index, entry)``, entries with float moments), grouped
+    into the ``FloatStateStep``s that step them: small parameters together per device, dtype,
+    step count, number of moments (``moment_count(entry)``: amsgrad's third) and correction
+    dtype; each large one alone, rather than copied into a flat tensor."""
+    groups: dict[object, list[int]] = {}
+    for index, entry in entries:
+        param = entry.param
+        if param.numel() < FLAT_FLOAT_STATE_BELOW:
+            correction = entry.weight_correction
+            key = (param.device, param.dtype, float(entry.step), moment_count(entry),
+                   None if correction is None else correction.dtype)
+        else:
+            key = id(param)
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
+
+
 class FloatStateStep:
     """The step for parameters with float moments (below ``min_quant_size``), in place,
-    set up once for a fixed list of them (``dispatch.AdamWPlan`` keeps it between steps).
+    set up once for a fixed list of them (the update rule's plan keeps it between steps).
 
     Parameters of one device and dtype with the same step count are computed as one flat
     tensor, so the number of kernels does not grow with their number (measured: one by one,
@@ -64,38 +89,31 @@ class FloatStateStep:
     ``torch._foreach_copy_`` each into buffers kept here and the parameters written back with
     one; moments laid out as consecutive views of one tensor (``step.plan`` does that) are
     updated in place, others gathered and written back the same way (``_Flat``).
-    ``max_exp_avg_sqs`` is ``None`` unless amsgrad is on. The moments are ``compute_dtype``
-    (float32; float64 for float64 parameters). ``weight_corrections``: the bfloat16 parameters'
-    master weight corrections (``master_weights``), or ``None`` without master weights.
+    ``moments``: one list per moment (the rule's order), of ``compute_dtype`` tensors (float32;
+    float64 for float64 parameters). ``weight_corrections``: the bfloat16 parameters' master
+    weight corrections (``master_weights``), or ``None`` without master weights.
     """
 
-    def __init__(self, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weight_corrections=None):
+    def __init__(self, params, moments, weight_corrections=None):
         self.params = list(params)
-        self.moments = [list(exp_avgs), list(exp_avg_sqs)]
-        if max_exp_avg_sqs is not None:
-            self.moments.append(list(max_exp_avg_sqs))
+        self.moments = [list(tensors) for tensors in moments]
         self.param_flat = _Flat(self.params)
-        self.moment_flats = [_Flat(moments) for moments in self.moments]
+        self.moment_flats = [_Flat(tensors) for tensors in self.moments]
         self.weight_corrections = None if weight_corrections is None else list(weight_corrections)
         self.weight_correction_flat = None if weight_corrections is None else _Flat(self.weight_corrections)
         # Gradients are new tensors at every step: only a buffer for them is kept.
         self.grad_buffer = None if len(self.params) == 1 else _Flat(self.params)
 
-    def step(self, grads, *, lr, beta1, beta2, eps, weight_decay, step, maximize: bool,
-             stochastic_round: bool, decoupled_weight_decay: bool = True) -> None:
+    def step(self, grads, update, *, stochastic_round: bool) -> None:
+        """``update(param, grad, moments) -> (new_param, new_moments)`` on the flat tensors, in
+        the compute dtype; the results are written back in place."""
         dtype = compute_dtype(self.params[0])
         grad = grads[0].reshape(-1) if self.grad_buffer is None else self.grad_buffer.gather(grads)
-        exp_avg, exp_avg_sq, *max_exp_avg_sq = [
-            flat.gather(tensors) for flat, tensors in zip(self.moment_flats, self.moments)]
+        moments = [flat.gather(tensors) for flat, tensors in zip(self.moment_flats, self.moments)]
         param = self.param_flat.gather(self.params)
         if self.weight_corrections is not None:
             param = read_master(param, self.weight_correction_flat.gather(self.weight_corrections))
-        new_param, *new_moments = adamw_update(
-            param.to(dtype), grad.to(dtype), exp_avg, exp_avg_sq,
-            max_exp_avg_sq[0] if max_exp_avg_sq else None,
-            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-            maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-        )
+        new_param, new_moments = update(param.to(dtype), grad.to(dtype), tuple(moments))
         for flat, tensors, values in zip(self.moment_flats, self.moments, new_moments):
             flat.scatter(tensors, values)
         if self.weight_corrections is not None:

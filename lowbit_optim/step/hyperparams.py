@@ -12,6 +12,7 @@ exactly what the user wrote.
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -21,7 +22,7 @@ import torch
 HYPER_DTYPE = torch.float64
 
 
-def _as_float(name: str, value) -> float:
+def as_float(name: str, value) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
@@ -31,28 +32,46 @@ def _as_float(name: str, value) -> float:
     return float(value)
 
 
-def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    """Raise ``ValueError`` with torch.optim's wording for a value AdamW cannot use."""
-    lr = _as_float("lr", lr)
+def check_learning_rate(lr) -> None:
+    lr = as_float("lr", lr)
     if not 0.0 <= lr < math.inf:
         raise ValueError(f"Invalid learning rate: {lr}")
-    eps = _as_float("eps", eps)
-    if not 0.0 <= eps < math.inf:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2) is needed)")
+
+
+def check_nonnegative(name: str, value, wording: str | None = None) -> float:
+    """``value`` as a float, or ``ValueError`` in torch.optim's words ("Invalid eps value")
+    unless it is finite and >= 0."""
+    number = as_float(name, value)
+    if not 0.0 <= number < math.inf:
+        raise ValueError(f"Invalid {wording or name} value: {number}")
+    return number
+
+
+def check_betas(betas, names: tuple[str, ...]) -> None:
+    """``betas``: a tuple or list of ``len(names)`` values, each in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
+        raise ValueError(f"Invalid betas: {betas!r} (a {len(names)}-tuple ({', '.join(names)}) is needed)")
     for index, beta in enumerate(betas):
-        beta = _as_float(f"beta{index + 1}", beta)
+        beta = as_float(names[index], beta)
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    weight_decay = _as_float("weight_decay", weight_decay)
-    if not 0.0 <= weight_decay < math.inf:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    """Raise ``ValueError`` with torch.optim's wording for a value AdamW cannot use."""
+    check_learning_rate(lr)
+    check_nonnegative("eps", eps, "epsilon")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2) is needed)")
+    check_betas(betas, ("beta1", "beta2"))
+    check_nonnegative("weight_decay", weight_decay)
 
 
 class GroupScalars:
     """The 0-d CPU tensors one param group's step reads, owned by the optimizer and refreshed
-    in place from the group at every step.
+    in place from the group at every step: one attribute per name of the update rule's
+    ``scalar_names`` (``step.rules``; AdamW's ``lr``, ``beta1``, ``beta2``, ``eps``,
+    ``weight_decay``).
 
     ``param_groups`` keep what the user wrote: a float LR stays a float (what schedulers,
     loggers and ``json.dumps`` see), a tensor LR stays the user's tensor. Only these copies,
@@ -60,24 +79,29 @@ class GroupScalars:
     tensors' contents, never the graph's inputs: no recompile, no allocation.
     """
 
-    def __init__(self):
-        self.lr = torch.zeros((), dtype=HYPER_DTYPE)
-        self.beta1 = torch.zeros((), dtype=HYPER_DTYPE)
-        self.beta2 = torch.zeros((), dtype=HYPER_DTYPE)
-        self.eps = torch.zeros((), dtype=HYPER_DTYPE)
-        self.weight_decay = torch.zeros((), dtype=HYPER_DTYPE)
+    def __init__(self, rule):
+        self.rule = rule
+        for name in rule.scalar_names:
+            setattr(self, name, torch.zeros((), dtype=HYPER_DTYPE))
 
     def refresh(self, group: dict) -> None:
         """Validate the group's current values (raising before anything changes) and copy them in."""
-        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        for tensor, value in (
-            (self.lr, group["lr"]),
-            (self.beta1, group["betas"][0]),
-            (self.beta2, group["betas"][1]),
-            (self.eps, group["eps"]),
-            (self.weight_decay, group["weight_decay"]),
-        ):
+        self.rule.check_hyperparameters(group)
+        for name, value in self.rule.scalar_values(group).items():
+            tensor = getattr(self, name)
             if isinstance(value, torch.Tensor):
                 tensor.copy_(value.detach().reshape(()))  # no host sync for a CPU tensor
             else:
                 tensor.fill_(value)
+
+
+class StepOptions(NamedTuple):
+    """A param group's flags for one step, as they travel from the optimizer to every
+    implementation: ``maximize``, ``stochastic_round`` (bf16 parameters), the Triton kernel's
+    noise ``rounding_stream`` (``chunks.GROUP_STREAM_BITS``) and, for the Adam rules,
+    ``decoupled_weight_decay`` (``False``: ``torch.optim.Adam``'s L2 decay)."""
+
+    maximize: bool
+    stochastic_round: bool
+    rounding_stream: int | None = None
+    decoupled_weight_decay: bool = True

@@ -5,11 +5,11 @@ kind, check and read the addresses of its eight tensors, key a layout cache, ~13
 parameter of Python (docs/benchmarks.md, "Host cost of the Triton path"). Nearly all of it
 depends on things that stay the same from one step to the next: which parameters the group
 holds, which of them have a gradient, their states, their data pointers, dtypes and shapes,
-the step counts kept equal within a kind. ``GroupPlan`` keeps what was worked out
-(``dispatch.AdamWPlan`` and, for the Triton backend, each kind's launches and layouts)
-together with exactly those facts, and ``gradients`` compares them with the group as it is now
-using C-level map/compare over lists (no Python loop per parameter), so a stale plan is never
-used:
+the step counts kept equal within a kind. ``GroupPlan`` keeps what was worked out (the
+update rule's plan: ``dispatch.AdamWPlan`` for AdamW with, for the Triton backend, each
+kind's launches and layouts) together with exactly those facts, and ``gradients`` compares
+them with the group as it is now using C-level map/compare over lists (no Python loop per
+parameter), so a stale plan is never used:
 
 * the group's parameter list, by identity; the optimizer's ``state`` mapping, by identity
   (``load_state_dict`` replaces it), each parameter's state dict and every value in it, by
@@ -37,11 +37,12 @@ from operator import attrgetter, is_not
 import torch
 
 from lowbit_optim.state import sharding
-from lowbit_optim.state.quantized import MOMENT_KEYS
-from lowbit_optim.step import dispatch
-from lowbit_optim.step.chunks import ParamStep
+from lowbit_optim.step import float_state
+from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.float_state import consecutive_views
+from lowbit_optim.step.hyperparams import GroupScalars, StepOptions
 from lowbit_optim.step.master_weights import CORRECTION_KEY
+from lowbit_optim.step.rule_step import RuleEntry
 
 # Read with C-level getters in one pass per list: a parameter's dtype and shape as one tuple,
 # a gradient's with ``is_sparse`` (planned as False), so that a single list comparison checks
@@ -54,16 +55,16 @@ _GRAD_FACTS = attrgetter("dtype", "shape", "is_sparse")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-def _flatten_float_moments(state_dicts: list[dict]) -> None:
-    """Make the float moments of small parameters (those ``dispatch`` steps together) views of
+def _flatten_float_moments(state_dicts: list[dict], moment_keys: tuple[str, ...]) -> None:
+    """Make the float moments of small parameters (those ``float_state_groups`` steps together) views of
     one tensor per moment, dtype and device, consecutive in parameter order (values, shapes
     and dtypes unchanged): the flat step then updates them in place instead of gathering and
     scattering them (``float_state.FloatStateStep``)."""
     groups: dict[tuple, list[dict]] = {}
     for state_dict in state_dicts:
-        for key in MOMENT_KEYS:
+        for key in moment_keys:
             moment = state_dict.get(key)
-            if type(moment) is torch.Tensor and moment.numel() < dispatch.FLAT_FLOAT_STATE_BELOW:
+            if type(moment) is torch.Tensor and moment.numel() < float_state.FLAT_FLOAT_STATE_BELOW:
                 groups.setdefault((key, moment.dtype, moment.device), []).append(state_dict)
     for (key, _, _), group in groups.items():
         moments = [state_dict[key] for state_dict in group]
@@ -83,9 +84,11 @@ def _state_values(state_dicts: list[dict]) -> list:
 
 class GroupPlan:
     """One param group's step, planned from its parameters that have a gradient and their
-    (already created) states; see the module docstring for when it is reused."""
+    (already created) states; see the module docstring for when it is reused. ``rule``: the
+    optimizer's update rule (``step.rules``), whose ``plan`` steps the group and whose
+    ``moment_keys(group)`` are the moments each parameter keeps."""
 
-    def __init__(self, params: list[torch.Tensor], state: dict, backend: str):
+    def __init__(self, params: list[torch.Tensor], state: dict, backend: str, rule, group: dict):
         self.param_ids = [*map(id, params)]
         self.state = state
         self.backend = backend
@@ -106,16 +109,17 @@ class GroupPlan:
             for state_dict, count in zip(self.state_dicts, self.step_counts):
                 state_dict["step"] = count
             self.expected_steps = self.step_counts.clone()
-        _flatten_float_moments(self.state_dicts)
+        moment_keys = rule.moment_keys(group)
+        _flatten_float_moments(self.state_dicts, moment_keys)
         self.state_values = _state_values(self.state_dicts)
         self.has_dtensor = any(map(sharding.is_dtensor, self.with_grad))
         local = sharding.local  # FSDP2: each rank steps its own shards
         entries = [
-            ParamStep(local(param), local(grad), local(s["exp_avg"]), local(s["exp_avg_sq"]),
-                      local(s.get("max_exp_avg_sq")), s["step"], local(s.get(CORRECTION_KEY)))
+            RuleEntry(local(param), local(grad), tuple(local(s[key]) for key in moment_keys), s["step"],
+                      local(s.get(CORRECTION_KEY)))
             for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
         ]
-        self.adamw = dispatch.AdamWPlan(entries, backend, self.with_grad)
+        self.rule_plan = rule.plan(entries, backend, self.with_grad)
 
     def gradients(self, params: list[torch.Tensor], state: dict, backend: str) -> list[torch.Tensor] | None:
         """The gradients to step with (of the parameters that have one, in order), or ``None``
@@ -150,10 +154,11 @@ class GroupPlan:
         place may no longer share its kind's)."""
         return self.step_counts is None or torch.equal(self.step_counts, self.expected_steps)
 
-    def step(self, grads: list[torch.Tensor], **options) -> None:
-        """Advance the step counts and step every parameter (``dispatch.AdamWPlan.run``)."""
+    def step(self, grads: list[torch.Tensor], scalars: GroupScalars, options: StepOptions,
+             scratch: TailScratch) -> None:
+        """Advance the step counts and step every parameter (the rule's plan)."""
         if self.step_counts is None:
             return
         self.step_counts += 1
         self.expected_steps += 1
-        self.adamw.run(grads, **options)
+        self.rule_plan.run(grads, scalars, options, scratch)

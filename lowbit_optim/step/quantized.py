@@ -8,11 +8,17 @@ import functools
 from typing import NamedTuple
 
 import torch
-import torch._dynamo
-import torch.fx.experimental._config as fx_config
 
 from lowbit_optim.formats.catalog import QuantFormat
-from lowbit_optim.step.chunks import ParamStep, TailScratch, for_each_block_chunk, with_own_code_object
+from lowbit_optim.step.chunks import (
+    ParamStep,
+    TailScratch,
+    call_step,
+    compiled_graph_count_of,
+    for_each_block_chunk,
+    leading_dims,
+    with_own_code_object,
+)
 from lowbit_optim.step.master_weights import read_master, write_master
 from lowbit_optim.step.math import (
     StepScalars,
@@ -115,8 +121,7 @@ def compiled_step(exp_avg_format, exp_avg_sq_format):
 
 def compiled_graph_count(exp_avg_format, exp_avg_sq_format) -> int:
     """How many graphs Dynamo holds for one state kind's step (0 before its first call)."""
-    code = compiled_step(exp_avg_format, exp_avg_sq_format)._torchdynamo_orig_callable.__code__
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    return compiled_graph_count_of(compiled_step(exp_avg_format, exp_avg_sq_format))
 
 
 def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scratch: TailScratch,
@@ -141,24 +146,11 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
         stored = [StoredMoment(m.codes[block_rows], m.scales[block_rows]) for m in moments]
         if max_exp_avg_sq is None:
             stored.append(None)
-        _call(step, backend, (param_blocks, grad_blocks, correction_blocks), stored, scalars)
+        options = {} if correction_blocks is None else {"weight_correction": correction_blocks}
+        tensors = (param_blocks, grad_blocks, correction_blocks,
+                   *(tensor for moment in stored if moment is not None for tensor in moment))
+        call_step(step, backend == "compile", leading_dims(tensors), param_blocks, grad_blocks, *stored,
+                  scalars, **options)
 
     for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update,
                          weight_correction=weight_correction)
-
-
-def _call(step, backend, blocks: tuple, moments, scalars):
-    """``step`` on ``blocks`` (the parameter's, the gradient's and the correction's or None)."""
-    param_blocks, grad_blocks, correction_blocks = blocks
-    options = {} if correction_blocks is None else {"weight_correction": correction_blocks}
-    if backend == "compile":
-        for tensor in (*blocks, *(t for m in moments if m is not None for t in m)):
-            if tensor is not None:
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        # Without this, a one-block tensor (a small parameter, or a partial last block) is
-        # specialised to size 1 and gets a graph of its own; size-oblivious reasoning lets the
-        # single dynamic graph serve every block count, 1 included.
-        with fx_config.patch(backed_size_oblivious=True):
-            step(param_blocks, grad_blocks, *moments, scalars, **options)
-    else:
-        step(param_blocks, grad_blocks, *moments, scalars, **options)

@@ -1,0 +1,77 @@
+"""What an update rule is: ``UpdateRule``, one object per optimizer family that declares
+
+* its moments (``MomentSpec``: the state key of each and whether it is signed, which picks
+  the format an optimizer class stores it in), in the order its math takes them;
+* its hyperparameters: ``check_hyperparameters`` (torch.optim's wording, before anything
+  changes), ``scalar_values`` (the group's values under ``scalar_names``, copied into the
+  0-d CPU tensors of ``hyperparams.GroupScalars``, so a schedule never recompiles);
+* its math, once, in pure PyTorch: ``step_constants`` (per step count: bias corrections,
+  schedules, bounds; 0-d tensors) and ``update`` (elementwise: the new parameter and
+  moments from the parameter, a finite gradient and the moments). That function is the
+  specification and the tests' oracle.
+
+Everything else is generic over the rule (``rule_step``: the shared policies, quantized and
+float moments, master weights, chunking; the optimizer base, checkpoints, FSDP2, offload,
+the HF integration, ``state_bytes``). A rule with kernels of its own (AdamW: Triton, C++)
+overrides ``plan``.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from lowbit_optim.step.rule_step import RuleEntry, RulePlan
+
+
+class MomentSpec(NamedTuple):
+    """One moment of a rule: its state key, whether its values can be negative (a signed
+    format) and whether only amsgrad keeps it."""
+
+    key: str
+    signed: bool
+    amsgrad_only: bool = False
+
+
+class UpdateRule:
+    """Base of the update rules (module docstring). Instances are stateless singletons: the
+    compiled step is cached per rule object."""
+
+    name: str
+    moments: tuple[MomentSpec, ...]
+    scalar_names: tuple[str, ...]
+
+    def moment_keys(self, group: dict) -> tuple[str, ...]:
+        """The moments a parameter of ``group`` keeps, in the order ``update`` takes them."""
+        amsgrad = group.get("amsgrad", False)
+        return tuple(spec.key for spec in self.moments if amsgrad or not spec.amsgrad_only)
+
+    @property
+    def all_moment_keys(self) -> tuple[str, ...]:
+        return tuple(spec.key for spec in self.moments)
+
+    def moment(self, key: str) -> MomentSpec:
+        return next(spec for spec in self.moments if spec.key == key)
+
+    def check_hyperparameters(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def scalar_values(self, group: dict) -> dict:
+        raise NotImplementedError
+
+    def step_constants(self, scalars, step: torch.Tensor):
+        """What ``update`` reads at step count ``step`` (0-d float32), from the group's
+        ``scalars``: 0-d CPU tensors, computed eagerly once per step count."""
+        raise NotImplementedError
+
+    def update(self, param, grad, moments: tuple, constants):
+        """``(new_param, new_moments)``; ``grad`` is finite (the shared policy zeroed the rest)."""
+        raise NotImplementedError
+
+    def plan(self, entries: list[RuleEntry], backend: str, params: list[torch.Tensor]):
+        """The step of one param group's ``entries`` (this rank's tensors; ``params``: the
+        parameters as the optimizer holds them), with a ``run(grads, scalars, options,
+        scratch)`` method."""
+        return RulePlan(self, entries, backend)
+
+    def __repr__(self) -> str:
+        return f"<update rule {self.name}>"
