@@ -34,15 +34,15 @@ instructions per element, measured with benchmarks/kernel_stats.py), with these 
   the reference's only where the normalisation above does, within ``2**-21 |x|`` of a bin
   edge, and then by one step of the map.
 
-  - 8-bit maps (the dynamic maps, float8 e4m3fn and their zero-free variants): a cell table
-    indexed by the top bits of ``x``'s float32 pattern, then one comparison
-    (``_encode_cells``). The magnitude is clamped to [2**-23, 1] (max and min: exact, and NaN
-    lands on the floor); its exponent and top 7 mantissa bits pick one of 2**7 equal cells of
-    its binade; the cell's int32 word holds the code of the cell's first float, the code past
-    the cell's one bin edge and where in the cell that edge is. Each reference codec is a
-    monotone function of ``x`` on either sign (each float32 operation in it rounds
-    monotonically), so it is fixed by the floats where its code changes; the words are built
-    from ``codec.encode`` itself by bisection over each cell's bit patterns
+  - Table maps (the 8-bit and 4-bit dynamic maps, float8 e4m3fn, their zero-free
+    variants): a cell table indexed by the top bits of ``x``'s float32 pattern, then one
+    comparison (``_encode_cells``). The magnitude is clamped to [2**-23, 1] (max and min:
+    exact, and NaN lands on the floor); its exponent and top 7 mantissa bits pick one of 2**7
+    equal cells of its binade; the cell's int32 word holds the code of the cell's first
+    float, the code past the cell's one bin edge and where in the cell that edge is. Each
+    reference codec is a monotone function of ``x`` on either sign (each float32 operation in
+    it rounds monotonically), so it is fixed by the floats where its code changes; the words
+    are built from ``codec.encode`` itself by bisection over each cell's bit patterns
     (``top_bits.cell_words``, which refuses a format with two edges in one cell or one below
     the floor), and the kernel forms the bits and compares them with integer operations
     only, so no rounding separates its code from the codec's. The numerical argument in full
@@ -51,14 +51,10 @@ instructions per element, measured with benchmarks/kernel_stats.py), with these 
     and midpoint, at every cell boundary, on subnormals, NaN, +-inf, +-0 and a sample of all
     of [-1, 1]. The table is read with ``ld.global.nc`` (per element, L1-resident: 11.5 KB per
     unsigned format, 23 KB read of 143 KB for a signed one); 9-11 SASS instructions per value
-    against ~38 for the binary search over 255 midpoints it replaces.
-  - 16-entry maps: the number of table midpoints (``(t[i] + t[i + 1]) / 2`` in float32)
-    that ``x`` exceeds, by a branch-free binary search: the first two steps compare with
-    uniform scalars, the others ``tl.gather`` the midpoint from a register tensor, which the
-    compiler stages in shared memory. That is ``SmallTableCodec`` exactly. The linear map
-    ``(k + 1) / 16`` encodes as ``clamp(ceil(v * (16 r) - 1.5), 0, 15)`` with one FMA: for
-    ``r = 1`` that is ``LinearNonzeroCodec`` exactly (``16 x - 1.5`` is exact wherever the
-    ceiling can change), otherwise a single rounding of a value whose error the
+    against ~38 for the binary search over 255 midpoints it replaces (~16 over 15 for 4-bit).
+  - The linear map ``(k + 1) / 16`` encodes as ``clamp(ceil(v * (16 r) - 1.5), 0, 15)`` with
+    one FMA: for ``r = 1`` that is ``LinearNonzeroCodec`` exactly (``16 x - 1.5`` is exact
+    wherever the ceiling can change), otherwise a single rounding of a value whose error the
     normalisation bound covers; it decodes as ``fma(k, 1/16, 1/16)``, exactly the table's
     value.
 
@@ -110,7 +106,6 @@ MAX_REGISTERS = 96
 INTERPRETER_TILE_ELEMENTS = 16384
 
 _LINEAR = tl.constexpr(tables.LINEAR)
-_SIGNED_TABLE = tl.constexpr(tables.SIGNED_TABLE)
 _CELLS_CLAMPED = tl.constexpr(tables.CELLS_CLAMPED)
 _CELLS_ABS = tl.constexpr(tables.CELLS_ABS)
 _CELLS_SIGNED = tl.constexpr(tables.CELLS_SIGNED)
@@ -249,7 +244,7 @@ def _load_cell(table_ptr, index, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _encode_cells(normalized, cells_ptr, CODEC: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``codec.encode(normalized)`` of an 8-bit format, exactly, from its cell table
+    """``codec.encode(normalized)`` of a table format, exactly, from its cell table
     (``top_bits``, where the argument is): the magnitude clamped to [floor, 1] (max and min
     drop NaN: it lands on the floor, the code of 0), its top bits index a cell, and the
     magnitude's position in the cell compared with the cell's edge picks one of the cell's two
@@ -284,13 +279,10 @@ def _encode(values, reciprocal, factor, encoder_ptr, BITS: tl.constexpr, CODEC: 
             INTERPRETED: tl.constexpr):
     """Nearest code of ``values / scale`` given per-row ``reciprocal = 1 / (scale * factor)``;
     ``encoder_ptr``: the format's encoder table (``tables.device_tables``)."""
-    # No clamp to [-1, 1] for the linear and search encoders: they give values beyond +-1
-    # (inf, or 1 + 1 ulp from the reciprocal) the code of +-1 already. NaN arises only as
-    # inf * 0, an overflowed moment in a block whose finite values are all 0, and must encode
-    # as 0 does (the reference's normalised value is 0 there): the linear encoder's
-    # NaN-dropping clamp, the cell tables' and the search (which puts NaN below every
-    # midpoint: code 0) do that by themselves when code 0 is the code nearest 0; signed maps
-    # select.
+    # Values beyond +-1 (inf, or 1 + 1 ulp from the reciprocal) take the code of +-1, and NaN,
+    # which arises only as inf * 0 (an overflowed moment in a block whose finite values are
+    # all 0), the code of 0, as the reference's normalisation gives them: the linear encoder's
+    # clamp and the cell tables' clamp do that by themselves.
     if CODEC == _LINEAR:
         # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped;
         # one FMA with the per-row 2**bits / scale rounds once where x * 2**bits - 1.5 would
@@ -298,23 +290,8 @@ def _encode(values, reciprocal, factor, encoder_ptr, BITS: tl.constexpr, CODEC: 
         levels: tl.constexpr = 1 << BITS
         code = tl.math.ceil(tl.fma(values * factor, reciprocal * levels, -1.5))
         code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
-    elif BITS == 8:
-        code = _encode_cells((values * factor) * reciprocal, encoder_ptr, CODEC, INTERPRETED)
     else:
-        normalized = (values * factor) * reciprocal
-        if CODEC == _SIGNED_TABLE:
-            normalized = tl.where(normalized == normalized, normalized, 0.0)
-        # Branch-free binary search: after it, code = number of midpoints below x. The first
-        # two steps compare with uniform scalars (no gather); the rest gather the midpoint.
-        size: tl.constexpr = 1 << BITS
-        upper = normalized > tl.load(encoder_ptr + (size // 2 - 1))
-        quarter = tl.where(upper, tl.load(encoder_ptr + (3 * size // 4 - 1)),
-                           tl.load(encoder_ptr + (size // 4 - 1)))
-        code = tl.where(upper, size // 2, 0) + tl.where(normalized > quarter, size // 4, 0)
-        midpoints = tl.load(encoder_ptr + tl.arange(0, size))
-        for level in tl.static_range(2, BITS):
-            midpoint = _lookup(midpoints, code + ((1 << (BITS - 1 - level)) - 1), size)
-            code += tl.where(normalized > midpoint, 1 << (BITS - 1 - level), 0)
+        code = _encode_cells((values * factor) * reciprocal, encoder_ptr, CODEC, INTERPRETED)
     return code
 
 
@@ -332,7 +309,6 @@ def _store_moment(low, high, codes_ptr, scales_ptr, encoder_ptr, rows, cols, row
     # One (approximate, <= 2 ulp) division per block; 0 for an all-zero block, whose values
     # then encode as 0.
     reciprocal = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale * factor, 1.0), 0.0)
-    # Both halves in one tensor: one search (one staging of the midpoints per step) for both.
     both = tl.join(low, high)
     code = _encode(both, reciprocal[:, None, None], factor[:, None, None], encoder_ptr, BITS, CODEC,
                    INTERPRETED)
@@ -344,7 +320,8 @@ def _store_moment(low, high, codes_ptr, scales_ptr, encoder_ptr, rows, cols, row
         tl.store(codes_ptr + index + BLOCK_SIZE // 2, high_code.to(tl.uint8), mask=mask)
     else:
         index = rows[:, None] * (BLOCK_SIZE // 2) + cols[None, :]
-        tl.store(codes_ptr + index, (low_code | (high_code << 4)).to(tl.uint8), mask=mask)
+        # Only the cell encoder's low byte is its code: masked, both nibbles pack in one LOP3.
+        tl.store(codes_ptr + index, ((low_code & 0x0F) | ((high_code << 4) & 0xF0)).to(tl.uint8), mask=mask)
 
 
 @triton.jit

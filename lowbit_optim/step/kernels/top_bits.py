@@ -1,4 +1,4 @@
-"""Cell tables for the Triton kernel's 8-bit encoders: a code from the top bits of a float32.
+"""Cell tables for the Triton kernel's encoders: a code from the top bits of a float32.
 
 A normalised value ``x`` in [-1, 1] must encode as ``codec.encode(x)`` of its format
 (``lowbit_optim.formats.codecs``), exactly: encoding is a comparison, ties included. The
@@ -36,7 +36,8 @@ codes differ by more than one step across a cell (two edges in one cell: ``INDEX
 small for its map) or which has an edge at or below the floor. Given monotonicity, the word
 then holds the code of every float32 in its cell, and the kernel forms ``b``, the index and
 the comparison without rounding (max, min and integer operations), so its code is the
-codec's. ``tests/test_triton_encoders.py`` runs the kernel's encoder against
+codec's (``SmallTableCodec``, the 4-bit maps' comparisons with their midpoints, is monotone
+too). ``tests/test_triton_encoders.py`` runs the kernel's encoder against
 ``codec.encode`` on every float32 within 300 ulps of every table value and midpoint, at every
 cell boundary, on NaN, +-inf, +-0, subnormals and a sample of all of [-1, 1]; the same lookup
 written in torch was checked once against ``codec.encode`` on every float32 in [-1, 1] for
@@ -54,8 +55,8 @@ leaves either way) into +inf: NaN must encode as +0.0 does (``SIGNED_ZERO``).
 Layout constants: 2**7 cells per binade is also the fewest the word allows (its two code
 bytes sit below the position, which starts at bit ``INDEX_BITS + 9``), and enough for the
 8-bit dynamic maps, whose densest binade [0.5, 1) has edges 0.9 / 128 apart and cells of
-2**-8; their smallest edge is 1.6e-7, float8's 2.2e-6, above the floor 2**-23. A table is
-2945 words (11.5 KB) per half.
+2**-8; their smallest edge is 1.6e-7 (float8's 2.2e-6, the 4-bit map's 2.8e-3), above the
+floor 2**-23. A table is 2945 words (11.5 KB) per half.
 """
 
 import torch
