@@ -483,13 +483,12 @@ def _adamw_lowbit_kernel(
     m_high, v_high, max_high = _update_half(param_ptr, grad_ptr, high, (m_high, v_high, max_high), hyper,
                                             AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
 
-    if EXP_AVG_BITS == 8:
-        # The codes' and scales' addresses again, for the stores: held from the loads, they were
-        # spilled under the register cap while the cell encoders' lookups are in flight (sm_90).
-        exp_avg_codes = exp_avg_codes_base + _offset(layout_row, _EXP_AVG_CODES, ALIGNED, True)
-        exp_avg_scales = exp_avg_scales_base + _offset(layout_row, _EXP_AVG_SCALES, ALIGNED, True)
-        exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, _EXP_AVG_SQ_CODES, ALIGNED, True)
-        exp_avg_sq_scales = exp_avg_sq_scales_base + _offset(layout_row, _EXP_AVG_SQ_SCALES, ALIGNED, True)
+    # The codes' and scales' addresses again, for the stores: held from the loads, they were
+    # spilled under the register cap while the cell encoders' lookups are in flight (sm_90).
+    exp_avg_codes = exp_avg_codes_base + _offset(layout_row, _EXP_AVG_CODES, ALIGNED, True)
+    exp_avg_scales = exp_avg_scales_base + _offset(layout_row, _EXP_AVG_SCALES, ALIGNED, True)
+    exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, _EXP_AVG_SQ_CODES, ALIGNED, True)
+    exp_avg_sq_scales = exp_avg_sq_scales_base + _offset(layout_row, _EXP_AVG_SQ_SCALES, ALIGNED, True)
     _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_encoder_ptr, rows, cols, row_mask,
                   BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC, INTERPRETED)
     _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_encoder_ptr, rows, cols,
