@@ -340,4 +340,4 @@ def test_float64_parameters_take_the_compiled_step(kernel):
     optimizer = AdamW8bit([param], backend="cpu")
     optimizer.step()
     (plan,) = optimizer._plans
-    assert plan.adamw.cpu_kernel == [] and len(plan.adamw.quantized) == 1
+    assert plan.rule_plan.cpu_kernel == [] and len(plan.rule_plan.quantized) == 1

@@ -180,7 +180,12 @@ def test_unsupported_transformers_fails_clearly(monkeypatch):
         register()
 
 
-@pytest.mark.parametrize("name", BUILDS)
+def rule_of(name: str) -> str:
+    cls, handler_kwargs = BUILDS[name]
+    return handler_kwargs.get("optimizer_class", cls).rule.name
+
+
+@pytest.mark.parametrize("name", [name for name in BUILDS if rule_of(name) == "adamw"])
 def test_training_arguments_accept_names_and_type_optim_args(tmp_path, name):
     args = TrainingArguments(
         output_dir=str(tmp_path), optim=name, report_to="none", use_cpu=True,
@@ -195,6 +200,34 @@ def test_training_arguments_accept_names_and_type_optim_args(tmp_path, name):
     assert kwargs == dict(lr=2e-3, betas=(0.8, 0.999), eps=1e-7, weight_decay=0.05, block_size=128,
                           min_quant_size=4096, bf16_stochastic_round=True, amsgrad=False, backend="eager",
                           **handler_kwargs)
+
+
+@pytest.mark.parametrize("name", [name for name in BUILDS if rule_of(name) != "adamw"])
+def test_lion_and_ademamix_names_take_their_rules_arguments(tmp_path, name):
+    """As transformers' own bitsandbytes Lion and AdEMAMix names: Lion takes adam_beta1/2 as its
+    betas and no eps; AdEMAMix a third beta, alpha and the warm-up lengths from optim_args."""
+    ademamix = rule_of(name) == "ademamix"
+    extra = ",beta3=0.999,alpha=8,t_alpha=100,t_beta3=200" if ademamix else ""
+    args = TrainingArguments(
+        output_dir=str(tmp_path), optim=name, report_to="none", use_cpu=True, learning_rate=2e-4,
+        adam_beta1=0.8, adam_epsilon=1e-7, weight_decay=0.05,
+        optim_args="block_size=128,master_weight_bits=24,backend=eager" + extra)
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    expected_cls, handler_kwargs = BUILDS[name]
+    assert optimizer_cls is expected_cls
+    rule_kwargs = (dict(betas=(0.8, 0.999, 0.999), eps=1e-7, alpha=8.0, t_alpha=100, t_beta3=200)
+                   if ademamix else dict(betas=(0.8, 0.999)))
+    assert kwargs == dict(lr=2e-4, weight_decay=0.05, block_size=128, master_weight_bits=24, backend="eager",
+                          **rule_kwargs, **handler_kwargs)
+    optimizer = optimizer_cls(tiny_gpt2().bfloat16().parameters(), **kwargs)
+    assert getattr(optimizer, "host_optimizer", optimizer).defaults["master_weight_bits"] == 24
+
+
+def test_amsgrad_is_an_adamw_option_only(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), optim="lowbit_lion_8bit", optim_args="amsgrad=true",
+                             report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="Unknown optim_args key 'amsgrad' for optim='lowbit_lion_8bit'"):
+        Trainer.get_optimizer_cls_and_kwargs(args)
 
 
 @pytest.mark.parametrize("optim_args, message", [

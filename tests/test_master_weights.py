@@ -75,7 +75,7 @@ def test_the_bit_split_keeps_inf_and_nan():
 
 
 @pytest.mark.parametrize("name, backend", [
-    ("AdamW4bit", "eager"), ("AdamW4bit", "compile"), ("AdamW8bit", "compile"),
+    ("AdamW4bit", "eager"), ("AdamW4bit", "compile"), ("AdamW8bit", "compile"), ("AdamW8bit", "cpu"),
     ("AdamWFactored4bit", "eager"), ("Adam4bit", "eager"),
 ])
 def test_bf16_model_with_32_bit_master_weights_follows_the_fp32_model_bit_for_bit(name, backend):

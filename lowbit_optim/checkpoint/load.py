@@ -130,9 +130,14 @@ def validate_state_dict(optimizer, state_dict, slots: dict | None = None) -> Non
         missing = [key for key in keys if key not in entry]
         if missing:
             raise ValueError(f"{slot.label}: state has no {', '.join(missing)}")
-        for key in optimizer.rule.all_moment_keys:
-            if key in entry and key not in keys:  # amsgrad's maximum without amsgrad
+        for key, value in entry.items():
+            if key in keys or key in ("step", CORRECTION_KEY) or not isinstance(value, torch.Tensor):
+                continue
+            if key in optimizer.rule.all_moment_keys:  # amsgrad's maximum without amsgrad
                 raise ValueError(f"{slot.label}: state has {key} but its group has amsgrad=False")
+            raise ValueError(
+                f"{slot.label}: state has {key}, which {type(optimizer).__name__} does not keep (its "
+                f"moments: {', '.join(keys)}): a state dict of another update rule")
         for key in keys:
             _check_moment(optimizer, slot, group, key, entry[key])
         check_loaded_correction(slot.label, slot.param, group["master_weight_bits"],

@@ -33,6 +33,8 @@ import enum
 
 from lowbit_optim.offload.optimizer import CPUOffloadOptimizer
 from lowbit_optim.optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
+from lowbit_optim.optim.ademamix import AdEMAMix4bit, AdEMAMix8bit
+from lowbit_optim.optim.lion import Lion4bit, Lion8bit
 
 # optim name -> optimizer class. Names carry the "lowbit_" prefix: transformers already uses
 # "adamw_8bit" (bitsandbytes) and "adamw_torch_4bit" (torchao).
@@ -41,6 +43,10 @@ OPTIMIZERS = {
     "lowbit_adamw_4bit": AdamW4bit,
     "lowbit_adamw_4bit_factored": AdamWFactored4bit,
     "lowbit_adamw_fp8": AdamWFp8,
+    "lowbit_lion_8bit": Lion8bit,
+    "lowbit_lion_4bit": Lion4bit,
+    "lowbit_ademamix_8bit": AdEMAMix8bit,
+    "lowbit_ademamix_4bit": AdEMAMix4bit,
 }
 
 # optim name -> the optimizer class that CPUOffloadOptimizer steps on the host: every class
@@ -74,10 +80,20 @@ OPTIM_ARGS = {
     "block_size": ("an int", _parse_int),
     "min_quant_size": ("an int", _parse_int),
     "bf16_stochastic_round": ("a bool (true/false)", _parse_bool),
-    "amsgrad": ("a bool (true/false)", _parse_bool),
+    "master_weight_bits": ("24 or 32", _parse_int),
     "backend": ('"compile", "eager" or "none"', _parse_backend),
 }
+# Each update rule's own options, with transformers' names for bitsandbytes' AdEMAMix
+# ("optim_args='beta3=0.9999,alpha=8,t_alpha=10000,t_beta3=10000'").
+RULE_OPTIM_ARGS = {
+    "adamw": {"amsgrad": ("a bool (true/false)", _parse_bool)},
+    "lion": {},
+    "ademamix": {"beta3": ("a float", float), "alpha": ("a float", float),
+                 "t_alpha": ("an int", _parse_int), "t_beta3": ("an int", _parse_int)},
+}
 OFFLOAD_OPTIM_ARGS = {**OPTIM_ARGS, "offload_gradients": ("a bool (true/false)", _parse_bool)}
+# AdEMAMix's slow EMA when optim_args do not say (bitsandbytes' and transformers' default).
+DEFAULT_BETA3 = 0.9999
 
 
 def parse_optim_args(optim_args: dict[str, str], optim: str = "lowbit optimizer", *,
@@ -104,23 +120,34 @@ def parse_optim_args(optim_args: dict[str, str], optim: str = "lowbit optimizer"
     return kwargs
 
 
-def _training_arguments_kwargs(ctx) -> dict:
-    """lr, betas, eps and weight_decay as ``TrainingArguments`` gives them."""
+def _optimizer_kwargs(ctx, optimizer_cls, supported: dict) -> dict:
+    """The constructor kwargs: lr, betas, eps and weight_decay as ``TrainingArguments`` gives
+    them, in the shape the class's update rule takes (Lion: no eps; AdEMAMix: a third beta),
+    then the typed ``optim_args``."""
+    rule = optimizer_cls.rule.name
     kwargs = dict(ctx.optimizer_kwargs)  # {"lr": args.learning_rate}
-    kwargs.update(ctx.adam_kwargs)  # betas, eps
+    betas = (ctx.args.adam_beta1, ctx.args.adam_beta2)
+    if rule == "adamw":
+        kwargs.update(ctx.adam_kwargs)  # betas, eps
+    elif rule == "lion":
+        kwargs["betas"] = betas
+    else:
+        kwargs.update(betas=(*betas, DEFAULT_BETA3), eps=ctx.args.adam_epsilon)
     # Trainer's two param groups set their own weight_decay (args.weight_decay / 0.0);
     # this default serves callers that pass plain parameters.
     kwargs["weight_decay"] = ctx.args.weight_decay
+    optim = getattr(ctx.args.optim, "value", ctx.args.optim)
+    options = parse_optim_args(ctx.optim_args, optim, supported={**supported, **RULE_OPTIM_ARGS[rule]})
+    if "beta3" in options:
+        kwargs["betas"] = (*kwargs["betas"][:2], options.pop("beta3"))
+    kwargs.update(options)
     return kwargs
 
 
 def _make_handler(optimizer_cls):
     def handler(ctx):
         """transformers' handler protocol: ``OptimizerContext -> (class, kwargs)``."""
-        optim = getattr(ctx.args.optim, "value", ctx.args.optim)
-        kwargs = _training_arguments_kwargs(ctx)
-        kwargs.update(parse_optim_args(ctx.optim_args, optim))
-        return optimizer_cls, kwargs
+        return optimizer_cls, _optimizer_kwargs(ctx, optimizer_cls, OPTIM_ARGS)
 
     handler.__name__ = handler.__qualname__ = f"lowbit_optim_{optimizer_cls.__name__}_handler"
     handler.lowbit_optim_handler = True
@@ -130,9 +157,7 @@ def _make_handler(optimizer_cls):
 def _make_offload_handler(optimizer_cls):
     def handler(ctx):
         """As the plain handler, with ``CPUOffloadOptimizer`` stepping ``optimizer_cls``."""
-        optim = getattr(ctx.args.optim, "value", ctx.args.optim)
-        kwargs = _training_arguments_kwargs(ctx)
-        kwargs.update(parse_optim_args(ctx.optim_args, optim, supported=OFFLOAD_OPTIM_ARGS))
+        kwargs = _optimizer_kwargs(ctx, optimizer_cls, OFFLOAD_OPTIM_ARGS)
         return CPUOffloadOptimizer, {"optimizer_class": optimizer_cls, **kwargs}
 
     handler.__name__ = handler.__qualname__ = f"lowbit_optim_offload_{optimizer_cls.__name__}_handler"

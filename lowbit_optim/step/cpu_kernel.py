@@ -167,7 +167,8 @@ def supports(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_
     """Whether the kernel takes this parameter (else the compiled step does): CPU, float32,
     bfloat16 or float16 parameters with a gradient of the same dtype, both moments of one
     width with encoders the kernel has, blocks of at most ``MAX_BLOCK_SIZE``. float64
-    parameters (updated in float64 by the reference) go to the compiled step."""
+    parameters (updated in float64 by the reference) go to the compiled step. A bfloat16
+    parameter's master weight correction is taken with it (``weight_correction``)."""
     if param.device.type != "cpu" or grad.device.type != "cpu" or grad.dtype != param.dtype:
         return False
     if not load():
@@ -187,26 +188,30 @@ def supports(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_
 
 def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
                    stochastic_round: bool, decoupled_weight_decay: bool = True,
-                   isa: str | None = None) -> None:
+                   isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
     """One parameter's step with the kernel, in place: ``quantized_adamw_step``'s result.
 
     ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
     of the whole parameter; ``scalars`` a ``step.math.StepScalars`` of 0-d CPU tensors.
     ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``).
-    A non-contiguous parameter steps a contiguous copy, written back afterwards.
+    ``weight_correction``: a bfloat16 parameter's master weight correction (int8 or int16,
+    ``step.master_weights``), read and written with the parameter as its master weight.
+    A non-contiguous parameter (or correction) steps a contiguous copy, written back afterwards.
     """
     kind, exp_avg_table, exp_avg_sq_table, encoders = format_pair_constants(exp_avg.format, exp_avg_sq.format)
-    work = param.detach()
-    contiguous = work if work.is_contiguous() else work.contiguous()
+    works = [param.detach()] + ([] if weight_correction is None else [weight_correction])
+    contiguous = [work if work.is_contiguous() else work.contiguous() for work in works]
     grad = grad.detach().contiguous()
     lr, beta1, beta2, eps, weight_decay, step = scalars
     torch.ops.lowbit_optim.cpu_adamw_step(
-        contiguous, grad, exp_avg.codes, exp_avg.scales, exp_avg_sq.codes, exp_avg_sq.scales,
+        contiguous[0], grad, exp_avg.codes, exp_avg.scales, exp_avg_sq.codes, exp_avg_sq.scales,
         None if max_exp_avg_sq is None else max_exp_avg_sq.codes,
         None if max_exp_avg_sq is None else max_exp_avg_sq.scales,
+        None if weight_correction is None else contiguous[1],
         exp_avg_table, exp_avg_sq_table, encoders, lr, beta1, beta2, eps, weight_decay, step,
         kind, exp_avg.block_size, maximize, decoupled_weight_decay, stochastic_round,
         ISAS[isa or default_isa()],
     )
-    if contiguous is not work:
-        work.copy_(contiguous)
+    for work, copy in zip(works, contiguous):
+        if copy is not work:
+            work.copy_(copy)

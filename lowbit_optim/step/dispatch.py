@@ -88,11 +88,11 @@ class AdamWPlan:
                   and entry.weight_correction is None):
                 # The kernel has no master weight variant: those take the compiled step.
                 triton_entries.append(index)
-            elif (backend == "cpu" and entry.weight_correction is None
+            elif (backend == "cpu"
                   and cpu_kernel.supports(entry.exp_avg.format, entry.exp_avg_sq.format,
                                           entry.exp_avg.block_size, entry.param, entry.grad)):
-                # Master weights (bf16 parameter + correction) have no kernel variant yet: the
-                # compiled step, like every case ``supports`` turns down.
+                # Master weights included; every case ``supports`` turns down takes the
+                # compiled step.
                 self.cpu_kernel.append(PlannedStep(index, entry._replace(grad=None)))
             else:
                 self.quantized.append(PlannedStep(index, entry._replace(grad=None)))
@@ -144,7 +144,7 @@ class AdamWPlan:
                 continue
             cpu_kernel.cpu_adamw_step(
                 entry.param, grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq, scalars,
-                **flags, isa=self.isa)
+                **flags, isa=self.isa, weight_correction=entry.weight_correction)
         for index, entry in self.quantized:
             scalars = StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step)
             self._compiled_step(entry, grads[index], scalars, scratch, options)

@@ -47,6 +47,11 @@ struct StepArgs {
   float weight_decay;   // L2 (not decoupled)
   int32_t maximize, decoupled, amsgrad, stochastic_round;
   uint64_t seed;
+  // A bfloat16 parameter's master weight correction (lowbit_optim/step/master_weights.py):
+  // int8 for 24-bit master weights, int16 for 32-bit, one per element; null (and
+  // master_weight_bits 0) without one.
+  void* correction;
+  int32_t master_weight_bits;
 };
 
 using RangeFn = void (*)(const StepArgs&, int64_t first_block, int64_t end_block);

@@ -51,6 +51,7 @@ struct Primitives {
   static inline I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
   static inline I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static inline I srl(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static inline I sra(I a, int n) { return _mm256_srai_epi32(a, n); }
   static inline I sll(I a, int n) { return _mm256_slli_epi32(a, n); }
   static inline I iadd_if(M m, I a) { return _mm256_sub_epi32(a, bits(m)); }  // true lanes are -1
   static inline I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
@@ -68,6 +69,9 @@ struct Primitives {
                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     I packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(x, low_bytes), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static inline I load_u16(const uint16_t* p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static inline float reduce_max(F a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));

@@ -30,6 +30,7 @@ struct Primitives {
   static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
   static inline F min(F a, F b) { return _mm512_min_ps(a, b); }
   static inline I bits(F a) { return _mm512_castps_si512(a); }
+  static inline F as_float(I a) { return _mm512_castsi512_ps(a); }
   static inline F abs(F a) { return _mm512_castsi512_ps(_mm512_and_si512(bits(a), set1i(0x7FFFFFFF))); }
   static inline F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(bits(a), set1i(INT32_MIN))); }
   static inline F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
@@ -51,6 +52,7 @@ struct Primitives {
   static inline I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
   static inline I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static inline I srl(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static inline I sra(I a, int n) { return _mm512_srai_epi32(a, n); }
   static inline I sll(I a, int n) { return _mm512_slli_epi32(a, n); }
   static inline M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   static inline I iadd_if(M m, I a) { return _mm512_mask_add_epi32(a, m, a, set1i(1)); }
@@ -64,6 +66,9 @@ struct Primitives {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
   }
   static inline float reduce_max(F a) { return _mm512_reduce_max_ps(a); }
+  static inline I load_u16(const uint16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static inline F load_param(const float* p, int) { return loadf(p); }
   static inline F load_param(const uint16_t* p, int dtype) {
     __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

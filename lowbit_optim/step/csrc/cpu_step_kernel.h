@@ -12,6 +12,10 @@
 // with -ffp-contract=off, so no multiply-add is fused: parameters and codes come out bit for
 // bit as the reference's, on every path (vector width changes nothing, every operation is
 // elementwise and the absmax is exact in any order).
+//
+// With master weights (a bfloat16 parameter and an int8 or int16 correction) the update reads
+// and writes the float32 master weight instead of the parameter, with the integer bit split
+// of lowbit_optim/step/master_weights.py (read_master, split_master) done in the same pass.
 #include <cstdint>
 
 #include "cpu_step_args.h"
@@ -94,11 +98,18 @@ inline uint32_t mix32(uint64_t x) {
   return static_cast<uint32_t>(x);
 }
 
+// The master weight's bit layout (master_weights.py): a bfloat16 value is the upper half of
+// a float32's bits; a 24-bit master weight also drops the lowest 8 of them.
+constexpr int kBFloat16Shift = 16;
+constexpr int kMaster24Dropped = 8;
+constexpr int32_t kCanonicalNan = 0x7FC00000;
+
 template <typename T>
 struct Block {
   const StepArgs& a;
   T* param;
   const T* grad;
+  void* correction;  // the block's master weight correction, or null
   int64_t block;
   float scale[3];
   F absmax[3];
@@ -110,7 +121,7 @@ struct Block {
     const bool amsgrad = a.amsgrad;
     F exp_avg = V::mul(decode(0, codes[0]), V::set1(scale[0]));
     F exp_avg_sq = V::mul(decode(1, codes[1]), V::set1(scale[1]));
-    F p = V::load_param(param + offset, a.param_dtype);
+    F p = load_weight(offset);
     F g = V::load_param(grad + offset, a.param_dtype);
     if (a.maximize) g = V::neg(g);
     M finite = V::isfinite(g);
@@ -138,12 +149,7 @@ struct Block {
     new_exp_avg = V::select(finite, new_exp_avg, exp_avg);
     new_exp_avg_sq = V::select(finite, new_exp_avg_sq, exp_avg_sq);
 
-    if (a.stochastic_round && sizeof(T) == 2 && a.param_dtype == kBFloat16) {
-      I index = V::iadd(V::iota(), V::set1i(static_cast<int32_t>(offset)));
-      V::store_bf16_stochastic(param + offset, new_param, V::hash_noise(index, noise_key));
-    } else {
-      V::store_param(param + offset, new_param, a.param_dtype);
-    }
+    store_weight(offset, new_param);
     V::storef(moments[0] + offset, new_exp_avg);
     V::storef(moments[1] + offset, new_exp_avg_sq);
     absmax[0] = V::max(absmax[0], finite_magnitude(new_exp_avg));
@@ -152,6 +158,51 @@ struct Block {
       V::storef(moments[2] + offset, new_max);
       absmax[2] = V::max(absmax[2], finite_magnitude(new_max));
     }
+  }
+
+  // The parameter the update reads: the float32 master weight where there is a correction
+  // (read_master: the bfloat16 bits above the sign-extended remainder, in int32).
+  inline F load_weight(int64_t offset) const {
+    if constexpr (sizeof(T) == 2) {
+      if (a.master_weight_bits) {
+        I upper = V::sll(V::load_u16(param + offset), kBFloat16Shift);
+        I remainder = a.master_weight_bits == 24
+            ? V::sra(V::sll(V::load_u8(static_cast<const uint8_t*>(correction) + offset), 24),
+                     24 - kMaster24Dropped)
+            : V::sra(V::sll(V::load_u16(static_cast<const uint16_t*>(correction) + offset), 16), 16);
+        return V::as_float(V::iadd(upper, remainder));
+      }
+    }
+    return V::load_param(param + offset, a.param_dtype);
+  }
+
+  // Store the updated parameter: split into bfloat16 and correction (split_master: NaN made
+  // one quiet NaN, a 24-bit master rounded half up to a multiple of 2**8, the upper half
+  // rounded half up, the remainder the correction), stochastically rounded, or rounded.
+  inline void store_weight(int64_t offset, F value) {
+    if constexpr (sizeof(T) == 2) {
+      if (a.master_weight_bits) {
+        const bool master24 = a.master_weight_bits == 24;
+        I bits = V::iselect(V::eq(value, value), V::bits(value), V::set1i(kCanonicalNan));
+        if (master24)
+          bits = V::iand(V::iadd(bits, V::set1i(1 << (kMaster24Dropped - 1))), V::set1i(-(1 << kMaster24Dropped)));
+        I upper = V::sra(V::iadd(bits, V::set1i(1 << (kBFloat16Shift - 1))), kBFloat16Shift);
+        I remainder = V::isub(bits, V::sll(upper, kBFloat16Shift));
+        V::store16(param + offset, V::iand(upper, V::set1i(0xFFFF)));
+        if (master24) {
+          V::store_u8(static_cast<uint8_t*>(correction) + offset, V::sra(remainder, kMaster24Dropped));
+        } else {
+          V::store16(static_cast<uint16_t*>(correction) + offset, V::iand(remainder, V::set1i(0xFFFF)));
+        }
+        return;
+      }
+      if (a.stochastic_round && a.param_dtype == kBFloat16) {
+        I index = V::iadd(V::iota(), V::set1i(static_cast<int32_t>(offset)));
+        V::store_bf16_stochastic(param + offset, value, V::hash_noise(index, noise_key));
+        return;
+      }
+    }
+    V::store_param(param + offset, value, a.param_dtype);
   }
 
   inline F decode(int moment, I codes) const {
@@ -164,10 +215,10 @@ struct Block {
 };
 
 template <typename T>
-void step_block(const StepArgs& a, T* param, const T* grad, int64_t block, float* buffers) {
+void step_block(const StepArgs& a, T* param, const T* grad, void* correction, int64_t block, float* buffers) {
   const int64_t size = a.block_size;
   const int slots = a.amsgrad ? 3 : 2;
-  Block<T> b{a, param, grad, block, {}, {}, {buffers, buffers + kMaxBlock, buffers + 2 * kMaxBlock},
+  Block<T> b{a, param, grad, correction, block, {}, {}, {buffers, buffers + kMaxBlock, buffers + 2 * kMaxBlock},
              a.stochastic_round ? mix32(a.seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL)) : 0u};
   for (int s = 0; s < slots; ++s) {
     b.scale[s] = a.scales[s][block];
@@ -213,24 +264,33 @@ void step_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
   alignas(64) float buffers[3 * kMaxBlock];
   T* param = static_cast<T*>(a.param);
   const T* grad = static_cast<const T*>(a.grad);
+  uint8_t* correction = static_cast<uint8_t*>(a.correction);
+  const int64_t correction_bytes = a.master_weight_bits == 24 ? 1 : 2;
   const int64_t size = a.block_size;
   const int64_t whole_blocks = a.numel / size;
   for (int64_t block = first_block; block < end_block; ++block) {
+    uint8_t* block_correction = correction ? correction + block * size * correction_bytes : nullptr;
     if (block < whole_blocks) {
-      step_block<T>(a, param + block * size, grad + block * size, block, buffers);
+      step_block<T>(a, param + block * size, grad + block * size, block_correction, block, buffers);
       continue;
     }
     // The partial last block, zero-padded as step.chunks.for_each_block_chunk pads it: the
     // padding's moments stay exactly 0 and never set the block's scale.
     alignas(64) T param_block[kMaxBlock];
     alignas(64) T grad_block[kMaxBlock];
+    alignas(64) uint8_t correction_block[2 * kMaxBlock];
     const int64_t tail = a.numel - whole_blocks * size;
     for (int64_t i = 0; i < size; ++i) {
       param_block[i] = i < tail ? param[block * size + i] : T{};
       grad_block[i] = i < tail ? grad[block * size + i] : T{};
     }
-    step_block<T>(a, param_block, grad_block, block, buffers);
+    if (correction)
+      for (int64_t i = 0; i < size * correction_bytes; ++i)
+        correction_block[i] = i < tail * correction_bytes ? block_correction[i] : 0;
+    step_block<T>(a, param_block, grad_block, correction ? correction_block : nullptr, block, buffers);
     for (int64_t i = 0; i < tail; ++i) param[block * size + i] = param_block[i];
+    if (correction)
+      for (int64_t i = 0; i < tail * correction_bytes; ++i) block_correction[i] = correction_block[i];
   }
 }
 

@@ -65,7 +65,8 @@ void check_block_state(const at::Tensor& codes, const at::Tensor& scales, int64_
 void cpu_adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg_codes,
                     at::Tensor exp_avg_scales, at::Tensor exp_avg_sq_codes, at::Tensor exp_avg_sq_scales,
                     const c10::optional<at::Tensor>& max_exp_avg_sq_codes,
-                    const c10::optional<at::Tensor>& max_exp_avg_sq_scales, const at::Tensor& exp_avg_table,
+                    const c10::optional<at::Tensor>& max_exp_avg_sq_scales,
+                    const c10::optional<at::Tensor>& weight_correction, const at::Tensor& exp_avg_table,
                     const at::Tensor& exp_avg_sq_table, const at::Tensor& encoders, const at::Tensor& lr,
                     const at::Tensor& beta1, const at::Tensor& beta2, const at::Tensor& eps,
                     const at::Tensor& weight_decay, const at::Tensor& step, int64_t kind, int64_t block_size,
@@ -114,6 +115,20 @@ void cpu_adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg
   if (amsgrad) {
     a.codes[2] = max_exp_avg_sq_codes->data_ptr<uint8_t>();
     a.scales[2] = max_exp_avg_sq_scales->data_ptr<float>();
+  }
+  if (weight_correction.has_value()) {
+    // A bfloat16 parameter's master weight correction (int8: 24-bit, int16: 32-bit). The
+    // master weight already keeps what rounding loses, so stochastic rounding is refused
+    // with it (as the optimizer refuses the combination).
+    const at::Tensor& correction = *weight_correction;
+    TORCH_CHECK(param.scalar_type() == at::kBFloat16, "cpu_adamw_step: a weight correction needs a bfloat16 "
+                "parameter, got ", param.scalar_type());
+    TORCH_CHECK((correction.scalar_type() == at::kChar || correction.scalar_type() == at::kShort) &&
+                    correction.is_contiguous() && correction.device().is_cpu() && correction.numel() == param.numel(),
+                "cpu_adamw_step: the weight correction must be a contiguous int8 or int16 CPU tensor of param's size");
+    TORCH_CHECK(!stochastic_round, "cpu_adamw_step: stochastic rounding with a weight correction");
+    a.correction = correction.data_ptr();
+    a.master_weight_bits = correction.scalar_type() == at::kChar ? 24 : 32;
   }
   a.tables[0] = exp_avg_table.data_ptr<float>();
   a.tables[1] = exp_avg_sq_table.data_ptr<float>();
@@ -171,7 +186,8 @@ TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
   m.def(
       "cpu_adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg_codes, Tensor(c!) exp_avg_scales, "
       "Tensor(d!) exp_avg_sq_codes, Tensor(e!) exp_avg_sq_scales, Tensor(f!)? max_exp_avg_sq_codes, "
-      "Tensor(g!)? max_exp_avg_sq_scales, Tensor exp_avg_table, Tensor exp_avg_sq_table, Tensor encoders, "
+      "Tensor(g!)? max_exp_avg_sq_scales, Tensor(h!)? weight_correction, Tensor exp_avg_table, "
+      "Tensor exp_avg_sq_table, Tensor encoders, "
       "Tensor lr, Tensor beta1, Tensor beta2, Tensor eps, Tensor weight_decay, Tensor step, int kind, "
       "int block_size, bool maximize, bool decoupled_weight_decay, bool stochastic_round, int isa) -> ()");
 }

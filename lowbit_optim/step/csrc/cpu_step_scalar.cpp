@@ -49,6 +49,7 @@ struct V {
   static inline I ixor(I a, I b) { return a ^ b; }
   static inline I imul(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) * static_cast<uint32_t>(b)); }
   static inline I srl(I a, int n) { return static_cast<I>(static_cast<uint32_t>(a) >> n); }
+  static inline I sra(I a, int n) { return a >> n; }  // arithmetic: gcc's (and C++20's) signed shift
   static inline I sll(I a, int n) { return static_cast<I>(static_cast<uint32_t>(a) << n); }
   static inline I iadd_if(M m, I a) { return m ? a + 1 : a; }
   static inline I iota() { return 0; }
@@ -56,6 +57,8 @@ struct V {
   static inline F gather256(const float* table, I index) { return table[index]; }
   static inline I load_u8(const uint8_t* p) { return *p; }
   static inline void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  static inline I load_u16(const uint16_t* p) { return *p; }
+  static inline void store16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static inline float reduce_max(F a) { return a; }
   static inline F half_to_float(uint16_t h) {
     // IEEE binary16 -> binary32, exact.
@@ -94,7 +97,6 @@ struct V {
   static inline void store_param(uint16_t* p, F x, int dtype) {
     *p = dtype == kFloat16 ? float_to_half(x) : bf16_nearest(x);
   }
-  static inline void store_bf16_stochastic(float*, F, I) {}
   static inline void store_bf16_stochastic(uint16_t* p, F x, I noise) {
     *p = isfinite(x) ? static_cast<uint16_t>(static_cast<uint32_t>(iadd(bits(x), noise)) >> 16) : bf16_nearest(x);
   }

@@ -23,7 +23,6 @@ struct V : Primitives {
       store16(p, bf16_nearest(x));
     }
   }
-  static inline void store_bf16_stochastic(float*, F, I) {}
   static inline void store_bf16_stochastic(uint16_t* p, F x, I noise) {
     I truncated = srl(iadd(bits(x), noise), 16);
     store16(p, iselect(isfinite(x), truncated, bf16_nearest(x)));

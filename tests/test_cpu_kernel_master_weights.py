@@ -1,0 +1,193 @@
+"""The C++ CPU step with master weights: a bfloat16 parameter and its int8 (24-bit) or int16
+(32-bit) correction read as the float32 master weight, updated and split again in the kernel.
+
+Exact comparisons, as in tests/test_cpu_kernel.py: parameters (their bits), corrections,
+codes and scales against the compiled step, and against the eager step with a correctly
+rounded sqrt (the ``ieee_sqrt`` fixture's reason is in that file), on every instruction-set
+path the CPU has and at 1 and 3 threads. The corrections entering each compared step come
+from a few eager steps with master weights, so they are not the fresh all-zero ones.
+"""
+
+import pytest
+import torch
+from conftest import num_threads
+from test_cpu_kernel import FORMAT_PAIRS, Setup, assert_same_state, available_isas, gradient, make_scalars
+
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8
+from lowbit_optim.step import cpu_kernel
+from lowbit_optim.step.chunks import TailScratch
+from lowbit_optim.step.master_weights import correction_dtype, zeros_correction
+from lowbit_optim.step.quantized import run_quantized_step
+
+SHAPES = [(1,), (4097,), (123, 123)]  # one element, a partial last block, a 2-D parameter
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_kernel.load():
+        pytest.skip("the C++ CPU step could not be built here")
+    return cpu_kernel
+
+
+@pytest.fixture
+def ieee_sqrt(monkeypatch):
+    eager_sqrt = torch.Tensor.sqrt
+    monkeypatch.setattr(torch.Tensor, "sqrt", lambda self: eager_sqrt(self.double()).to(self.dtype))
+
+
+class MasterSetup(Setup):
+    """``Setup`` for a bfloat16 parameter with a master weight correction, warmed by eager
+    steps of the master weight (so the correction holds real remainders)."""
+
+    def __init__(self, pair, shape, bits, *, amsgrad, seed=0):
+        self.correction = None
+        self.bits = bits
+        super().__init__(pair, shape, torch.bfloat16, amsgrad=amsgrad, seed=seed)
+
+    def entry(self, param, grad, states, correction=None):
+        if correction is None:
+            if self.correction is None:
+                self.correction = zeros_correction(param, self.bits)
+            correction = self.correction
+        return super().entry(param, grad, states)._replace(weight_correction=correction)
+
+    def reference_step(self, param, states, grad, scalars, *, correction=None, backend="eager", **flags):
+        flags = {"maximize": False, "stochastic_round": False, "decoupled_weight_decay": True, **flags}
+        entry = self.entry(param, grad, states, correction)
+        run_quantized_step(backend, entry, scalars, TailScratch(), **flags)
+
+    def copies(self):
+        param, states = super().copies()
+        return param, states, self.correction.clone()
+
+
+def kernel_step(setup, grad, scalars, isa, **flags):
+    param, states, correction = setup.copies()
+    full = {"maximize": False, "stochastic_round": False, "decoupled_weight_decay": True, **flags}
+    cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], states[2] if len(states) == 3 else None,
+                              scalars, isa=isa, weight_correction=correction, **full)
+    return param, states, correction
+
+
+def reference(setup, grad, scalars, backend, **flags):
+    param, states, correction = setup.copies()
+    # The whole suite compiles more variants of a state kind's step (dtypes, flags, correction
+    # dtypes) than Dynamo's default recompile_limit of 8; past it Dynamo would silently run
+    # this step eagerly, with torch's eager sqrt (see tests/test_cpu_kernel.py). Raised here,
+    # and a hit made an error, so that the reference is always the compiled step.
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        setup.reference_step(param, states, grad, scalars, correction=correction, backend=backend, **flags)
+    return param, states, correction
+
+
+def assert_same_master(result, expected):
+    (param, states, correction), (ref_param, ref_states, ref_correction) = result, expected
+    assert_same_state(states, ref_states)
+    assert torch.equal(param.view(torch.int16), ref_param.view(torch.int16))
+    assert correction.dtype == ref_correction.dtype and torch.equal(correction, ref_correction)
+
+
+@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("pair", FORMAT_PAIRS)
+def test_matches_compiled_step_with_master_weights(kernel, pair, bits):
+    """amsgrad and L2 weight decay on a parameter with a partial last block, every path, at 1
+    and 3 threads, against ``backend="compile"`` unpatched. 300_001 elements are over a
+    thousand blocks: the kernel shares them out in several tasks at 3 threads."""
+    flags = dict(decoupled_weight_decay=False)
+    shape = (300_001,)
+    setup = MasterSetup(pair, shape, bits, amsgrad=True)
+    assert setup.correction.dtype == correction_dtype(bits) and setup.correction.any()
+    grad = gradient(shape, torch.bfloat16, setup.generator)
+    scalars = make_scalars(step=setup.step)
+    expected = reference(setup, grad, scalars, "compile", **flags)
+    assert not torch.equal(expected[2], setup.correction)  # the step changed the corrections
+    for isa in available_isas():
+        for threads in (1, 3):
+            with num_threads(threads):
+                assert_same_master(kernel_step(setup, grad, scalars, isa, **flags), expected)
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("maximize", [False, True], ids=["plain", "maximize"])
+@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("pair", FORMAT_PAIRS)
+def test_matches_reference_with_master_weights(kernel, ieee_sqrt, pair, bits, maximize, shape, isa):
+    setup = MasterSetup(pair, shape, bits, amsgrad=False)
+    grad = gradient(shape, torch.bfloat16, setup.generator)
+    scalars = make_scalars(step=setup.step, lr=1e-4)  # updates below a bfloat16 ulp, kept by the master
+    result = kernel_step(setup, grad, scalars, isa, maximize=maximize)
+    assert_same_master(result, reference(setup, grad, scalars, "eager", maximize=maximize))
+
+
+@pytest.mark.parametrize("bits", [24, 32])
+def test_non_finite_gradients_keep_the_master_weight(kernel, ieee_sqrt, bits):
+    setup = MasterSetup("8bit", (4097,), bits, amsgrad=True)
+    grad = gradient((4097,), torch.bfloat16, setup.generator)
+    grad[::97] = float("nan")
+    grad[5::89] = float("inf")
+    grad[11::83] = 1e30
+    scalars = make_scalars(step=setup.step)
+    for isa in available_isas():
+        param, states, correction = kernel_step(setup, grad, scalars, isa)
+        assert_same_master((param, states, correction), reference(setup, grad, scalars, "eager"))
+        kept = ~torch.isfinite(grad)
+        assert torch.equal(param[kept].view(torch.int16), setup.param[kept].view(torch.int16))
+        assert torch.equal(correction[kept], setup.correction[kept])
+
+
+def test_non_contiguous_parameter_and_correction(kernel, ieee_sqrt):
+    setup = MasterSetup("4bit", (96, 130), 24, amsgrad=False)
+    setup.param = setup.param.t().contiguous().t()  # same values, column-major
+    setup.correction = setup.correction.t().contiguous().t()
+    grad = gradient((96, 130), torch.bfloat16, setup.generator)
+    scalars = make_scalars(step=setup.step)
+    expected = reference(setup, grad, scalars, "eager")
+    param, states, correction = setup.copies()  # clones keep the column-major strides
+    cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
+                              stochastic_round=False, weight_correction=correction)
+    assert not param.is_contiguous() and not correction.is_contiguous()
+    assert_same_master((param, states, correction), expected)
+
+
+def test_the_operator_refuses_what_master_weights_exclude(kernel):
+    setup = MasterSetup("4bit", (300,), 24, amsgrad=False)
+    grad = gradient((300,), torch.bfloat16, setup.generator)
+    param, states, correction = setup.copies()
+    with pytest.raises(RuntimeError, match="stochastic rounding with a weight correction"):
+        cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, make_scalars(step=setup.step),
+                                  maximize=False, stochastic_round=True, weight_correction=correction)
+    with pytest.raises(RuntimeError, match="needs a bfloat16 parameter"):
+        cpu_kernel.cpu_adamw_step(param.half(), grad.half(), states[0], states[1], None,
+                                  make_scalars(step=setup.step), maximize=False, stochastic_round=False,
+                                  weight_correction=correction)
+    assert torch.equal(param.view(torch.int16), setup.param.view(torch.int16))  # nothing written
+
+
+@pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamW4bit, AdamWFp8], ids=lambda c: c.__name__)
+def test_optimizer_with_master_weights_takes_the_kernel_and_matches_compiled(kernel, optimizer_class):
+    """``backend="cpu"`` sends bfloat16 parameters with master weights to the kernel (the
+    small bias keeps float moments) and follows ``backend="compile"`` bit for bit."""
+
+    def run(backend):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(96, 130).to(torch.bfloat16)
+        optimizer = optimizer_class(model.parameters(), lr=1e-4, backend=backend, master_weight_bits=24)
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            for param in model.parameters():
+                param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+            optimizer.step()
+        return model, optimizer
+
+    model, optimizer = run("cpu")
+    (plan,) = optimizer._plans
+    assert len(plan.rule_plan.cpu_kernel) == 1 and plan.rule_plan.quantized == []
+    reference_model, reference_optimizer = run("compile")
+    for param, expected in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(param.view(torch.int16), expected.view(torch.int16))
+        state, expected_state = optimizer.state[param], reference_optimizer.state[expected]
+        assert torch.equal(state["master_weight_correction"], expected_state["master_weight_correction"])
+        if param.dim() == 2:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key].codes, expected_state[key].codes)
