@@ -41,8 +41,8 @@ too). ``tests/test_triton_encoders.py`` runs the kernel's encoder against
 ``codec.encode`` on every float32 within 300 ulps of every table value and midpoint, at every
 cell boundary, on NaN, +-inf, +-0, subnormals and a sample of all of [-1, 1]; the same lookup
 written in torch matched ``codec.encode`` once on every float32 in [-1, 1] for the default
-optimizers' formats (dynamic8-signed, dynamic8-unsigned-nonzero, float8-e4m3 and its zero-free
-variant).
+optimizers' formats (dynamic8-signed, dynamic8-unsigned-nonzero, dynamic4-signed, float8-e4m3
+and its zero-free variant).
 
 Signs (``sign_handling``): a format that encodes ``-x`` as ``x`` (``ABS``) indexes ``|x|``; a
 zero-free one, whose negative values all encode as 0 does (``CLAMPED``), clamps ``x`` itself,
