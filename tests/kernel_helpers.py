@@ -3,17 +3,19 @@ CPU), tests/test_cuda.py (a real GPU) and tests/test_step_plan.py: cases, one st
 and the bounds they are compared with. ``lowbit_optim.step.kernels`` is imported by
 ``conftest.pytest_configure``, under the interpreter when there is no GPU.
 
-Tolerances (derived in the docstring of ``lowbit_optim/step/kernels/adamw_lowbit.py``). Scales
-must be identical: the moments are computed operation for operation as in the reference. A
-code may differ from the reference's only by one step of its map, and only for a value whose
-normalised magnitude is within ``CODE_EDGE_RELATIVE * |x| + CODE_EDGE_ABSOLUTE`` of the
-midpoint between the two codes' values (the kernel multiplies by one reciprocal of the block
-scale and encodes against float32 table midpoints; the 8-bit reference forms its bin edges by
-float32 arithmetic). Checks of several steps copy the reference's state and parameters into
+Tolerances (derived in the docstring of ``lowbit_optim/step/kernels/adamw_lowbit.py``).
+Scales must be identical: the moments are computed operation for operation as in the
+reference. A code may differ from the reference's only by one step of its map, and only for
+a value whose normalised magnitude is within ``CODE_EDGE_RELATIVE * |x| +
+CODE_EDGE_ABSOLUTE`` of the midpoint between the two codes' values (the kernel multiplies by
+one reciprocal of the block scale, where the reference divides; its encoders give exactly
+the codecs' codes, tests/test_triton_encoders.py, but the 8-bit dynamic maps' bin edges,
+formed by float32 arithmetic, lie up to 2**-19 relative from the table midpoints this bound
+is measured from). Checks of several steps copy the reference's state and parameters into
 the kernel's after each step, so that one such code does not compound. Parameters may differ
-by one ulp of their dtype plus ``UPDATE_RELATIVE`` of the step's update (approximate sqrt and
-division on the GPU; under the interpreter only the reciprocal of the bias correction), and
-torch's CPU ``sqrt`` is off by an ulp for some inputs (MKL/SLEEF vector code).
+by one ulp of their dtype plus ``UPDATE_RELATIVE`` of the step's update (approximate sqrt
+and division on the GPU; under the interpreter only the reciprocal of the bias correction),
+and torch's CPU ``sqrt`` is off by an ulp for some inputs (MKL/SLEEF vector code).
 """
 
 import pytest

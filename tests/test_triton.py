@@ -43,7 +43,7 @@ from kernel_helpers import (  # noqa: E402
 )
 
 from lowbit_optim.step import kernels  # noqa: E402
-from lowbit_optim.step.kernels import adamw_lowbit, tables  # noqa: E402
+from lowbit_optim.step.kernels import adamw_lowbit  # noqa: E402
 
 # NaN gradients (the non-finite policy) flow into the interpreter's numpy division before the
 # kernel's selects put the old values back.
@@ -57,23 +57,6 @@ def test_matches_reference(kind, shape, dtype):
     numel = torch.Size(shape).numel()
     param, states = make_case(numel, kind, dtype)
     run_against_reference([(param.view(shape), None, states)])
-
-
-@pytest.mark.parametrize("name", ["dynamic8-unsigned", "dynamic8-unsigned-nonzero",
-                                  "dynamic8-unsigned-nonzero-edges-kept"])
-def test_kernel_edges_give_the_codecs_codes_at_the_first_edges(name):
-    """The kernel's table encoder counts the edges a value exceeds (a binary search over
-    ``tables.encoder_edges``). Near the smallest codes, where the zero-free maps move the first
-    edge (to 3/4 of the smallest value, or keep the plain map's 1/2), that count is the codec's
-    code for every float32 other than an edge itself (a tie, which the kernel tests tolerate).
-    The kernel tests' tolerance (2**-22 absolute) is wider than these bins, so this checks them."""
-    fmt = get_format(name)
-    edges = tables.encoder_edges(fmt)
-    anchors = torch.cat([edges[:4], fmt.table[:4]]).view(torch.int32)
-    values = (anchors[:, None] + torch.arange(-3000, 3001, dtype=torch.int32)).reshape(-1).view(torch.float32)
-    values = values[~torch.isin(values, edges)]
-    counted = (values[:, None] > edges[None, :]).sum(dim=1)
-    assert torch.equal(counted, fmt.codec.encode(values).long())
 
 
 @pytest.mark.usefixtures("interpreter")

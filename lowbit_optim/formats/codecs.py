@@ -28,8 +28,8 @@ Every map encoder returns exactly the codes of the first formulation (``log10`` 
 decade, a sum of 15 comparisons): ``tests/test_formats.py`` checks this against that
 formulation on every float32 within 3000 ulps of a code, a midpoint or a power of ten and on
 a sample of all of [-1, 1] (and it was checked once on every 61st float32 in [-1, 1]), so
-stored states, checkpoints and the Triton kernel (which mirrors the first formulation) agree
-code for code.
+stored states, checkpoints and the Triton kernel (whose 8-bit encoders are tables built from
+these codecs, ``lowbit_optim/step/kernels/top_bits.py``) agree code for code.
 
 Rounding is to the nearest code. The 16-entry encoders are exact (the midpoints are float32
 numbers; for the linear map see ``LinearNonzeroCodec``). The interior bin edges of the
@@ -186,8 +186,7 @@ E4M3FN_ROUND_HALF = (1 << (E4M3FN_DROPPED_BITS - 1)) - 1
 
 def e4m3fn_bits(values: torch.Tensor) -> torch.Tensor:
     """``values.to(torch.float8_e4m3fn).view(torch.uint8)`` for float32 ``|values| <= 448``,
-    by integer arithmetic (``Float8Codec`` explains it); the Triton kernel's ``_e4m3fn_bits``
-    is the same code."""
+    by integer arithmetic (``Float8Codec`` explains it)."""
     bits = values.view(torch.int32)
     magnitude = bits & 0x7FFFFFFF
     sign = (bits >> 24) & 0x80
@@ -206,8 +205,8 @@ class Float8Codec:
     ``e4m3fn(code) / 448`` in float32.
 
     The encoder is integer arithmetic on the float32 bits rather than torch's cast, so that
-    the Triton kernel can run the same code (sm_80 has no float8 conversion instruction and
-    the interpreter none at all) and Inductor vectorises it on CPU. With ``y = x * 448``:
+    Inductor vectorises it on CPU (and it needs no float8 conversion instruction, which sm_80
+    and the Triton interpreter lack). With ``y = x * 448``:
 
     * ``|y| >= 2**-6`` (e4m3fn normals): drop 20 of float32's 23 mantissa bits rounding to
       nearest even (add ``0x7FFFF`` plus the lowest kept bit, shift), then move the exponent

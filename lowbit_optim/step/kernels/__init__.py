@@ -7,7 +7,8 @@ imported to run the kernels on CPU tensors (Triton reads it when a kernel is def
 """
 
 from lowbit_optim.step.kernels.adamw_lowbit import is_interpreted, launch
+from lowbit_optim.step.kernels.encoders import encode_normalized
 from lowbit_optim.step.kernels.ops import StepGroupPlan, adamw_lowbit_step, step_group, stochastic_round_seed
 
-__all__ = ["StepGroupPlan", "adamw_lowbit_step", "is_interpreted", "launch", "step_group",
-           "stochastic_round_seed"]
+__all__ = ["StepGroupPlan", "adamw_lowbit_step", "encode_normalized", "is_interpreted", "launch",
+           "step_group", "stochastic_round_seed"]

@@ -27,23 +27,38 @@ instructions per element, measured with benchmarks/kernel_stats.py), with these 
   ``scale`` by 2**64, which is exact). So ``|x - v / scale| <= (2**-22 + 2**-24) |v / scale|``
   and ``|x - RN(v / scale)| <= 2**-21 |x|``: a code may differ from the reference's only
   when the normalised value is within ``2**-21 |x|`` of a bin edge.
-* Encoders: the 16- and 256-entry maps return the number of table midpoints
-  (``(t[i] + t[i + 1]) / 2`` in float32) that ``x`` exceeds, by a branch-free binary search
-  over the midpoints: the first two steps compare with uniform scalars, the others
-  ``tl.gather`` the midpoint from a register tensor, which the compiler stages in shared
-  memory (no per-element global loads). For the 16-entry maps that is ``SmallTableCodec``
-  exactly; ``DynamicExponentCodec`` (8-bit) forms its bin edges in float32 arithmetic,
-  within ``2**-19 |x|`` of these midpoints (tests/test_triton.py::test_encoder_at_bin_edges
-  puts values on and next to every edge). Together: a code differs from the reference's
-  only for normalised values within ``2**-18 |x|`` of a bin edge, and then by one step of the
-  map. The linear map ``(k + 1) / 16`` encodes as ``clamp(ceil(v * (16 r) - 1.5), 0, 15)``
-  with one FMA, a single rounding of a value whose error the normalisation bound already
-  covers (``16 x - 1.5`` itself is exact wherever the ceiling can change), and decodes as
-  ``fma(k, 1/16, 1/16)``, exactly the table's value. Float8 e4m3fn (``AdamWFp8``) encodes
-  ``RN(x * 448)`` by integer arithmetic on its bits, exactly the reference's
-  ``codecs.e4m3fn_bits`` (torch's cast); its bin edges sit within an ulp of ``x``'s
-  midpoints, so the normalisation bound alone separates its codes from the reference's.
-  256-entry tables (float8 too) decode with ``tl.gather`` (shared memory), 16-entry ones too.
+* Encoders: exact, given the normalised value. Encoding is a comparison, and every encoder
+  returns ``codec.encode(x)`` of the reference codec (``lowbit_optim.formats.codecs``) for
+  every float32 ``x`` in [-1, 1], ties at bin edges included (and for NaN, +-inf and values
+  past +-1, the code of the reference's NaN -> 0 and clamp to [-1, 1]). So a code differs from
+  the reference's only where the normalisation above does, within ``2**-21 |x|`` of a bin
+  edge, and then by one step of the map.
+
+  - Table maps (the 8-bit and 4-bit dynamic maps, float8 e4m3fn, their zero-free
+    variants): a cell table indexed by the top bits of ``x``'s float32 pattern, then one
+    comparison (``_encode_cells``). The magnitude is clamped to [2**-23, 1] (max and min:
+    exact, and NaN lands on the floor); its exponent and top 7 mantissa bits pick one of 2**7
+    equal cells of its binade; the cell's int32 word holds the code of the cell's first
+    float, the code past the cell's one bin edge and where in the cell that edge is. Each
+    reference codec is a monotone function of ``x`` on either sign (each float32 operation in
+    it rounds monotonically), so it is fixed by the floats where its code changes; the words
+    are built from ``codec.encode`` itself by bisection over each cell's bit patterns
+    (``top_bits.cell_words``, which refuses a format with two edges in one cell or one below
+    the floor), and the kernel forms the bits and compares them with integer operations
+    only, so no rounding separates its code from the codec's. The numerical argument in full
+    is in ``lowbit_optim/step/kernels/top_bits.py``; tests/test_triton_encoders.py runs this
+    encoder against ``codec.encode`` on every float32 within 300 ulps of every table value
+    and midpoint, at every cell boundary, on subnormals, NaN, +-inf, +-0 and a sample of all
+    of [-1, 1]. The table is read with ``ld.global.nc`` (per element, L1-resident: 11.5 KB per
+    unsigned format, 23 KB read of 143 KB for a signed one); 9-11 SASS instructions per value
+    against ~38 for the binary search over 255 midpoints it replaces (~16 over 15 for 4-bit).
+  - The linear map ``(k + 1) / 16`` encodes as ``clamp(ceil(v * (16 r) - 1.5), 0, 15)`` with
+    one FMA: for ``r = 1`` that is ``LinearNonzeroCodec`` exactly (``16 x - 1.5`` is exact
+    wherever the ceiling can change), otherwise a single rounding of a value whose error the
+    normalisation bound covers; it decodes as ``fma(k, 1/16, 1/16)``, exactly the table's
+    value.
+
+  Every map but the linear one decodes with ``tl.gather`` from its table (shared memory).
 * The update: ``sqrt`` is ``sqrt.approx.f32`` (relative error <= 2**-22; a subnormal ``v'``
   may flush to 0, which moves ``denom`` by less than 2**-63 / sqrt(1 - beta2**t)),
   ``1 / sqrt(1 - beta2**t)`` is formed on the host and ``+ eps`` is one FMA, and
@@ -73,11 +88,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_optim.formats import codecs
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.step import math as math_spec
 from lowbit_optim.step.kernels import layout as layouts
-from lowbit_optim.step.kernels import tables
+from lowbit_optim.step.kernels import tables, top_bits
 from lowbit_optim.step.kernels.tables import codec_kind, device_tables
 
 # Elements per program: 2048 with 4 warps is 16 elements per thread (four 16-byte loads of
@@ -92,15 +106,16 @@ MAX_REGISTERS = 96
 INTERPRETER_TILE_ELEMENTS = 16384
 
 _LINEAR = tl.constexpr(tables.LINEAR)
-_SIGNED_TABLE = tl.constexpr(tables.SIGNED_TABLE)
-_FLOAT8 = tl.constexpr(tables.FLOAT8)
-_FLOAT8_LARGEST = tl.constexpr(codecs.Float8Codec.largest)
-_E4M3FN_SMALLEST_NORMAL_BITS = tl.constexpr(codecs.E4M3FN_SMALLEST_NORMAL_BITS)
-_E4M3FN_SUBNORMAL_SHIFT = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT)
-_E4M3FN_SUBNORMAL_SHIFT_BITS = tl.constexpr(codecs.E4M3FN_SUBNORMAL_SHIFT_BITS)
-_E4M3FN_BIAS_CHANGE = tl.constexpr(codecs.E4M3FN_BIAS_CHANGE)
-_E4M3FN_DROPPED_BITS = tl.constexpr(codecs.E4M3FN_DROPPED_BITS)
-_E4M3FN_ROUND_HALF = tl.constexpr(codecs.E4M3FN_ROUND_HALF)
+_CELLS_CLAMPED = tl.constexpr(tables.CELLS_CLAMPED)
+_CELLS_ABS = tl.constexpr(tables.CELLS_ABS)
+_CELLS_SIGNED = tl.constexpr(tables.CELLS_SIGNED)
+_CELLS_SIGNED_ZERO = tl.constexpr(tables.CELLS_SIGNED_ZERO)
+# The cell tables' layout (lowbit_optim.step.kernels.top_bits).
+_CELL_FLOOR = tl.constexpr(2.0**top_bits.FLOOR_BINADE)
+_CELL_SHIFT = tl.constexpr(top_bits.MANTISSA_BITS - top_bits.INDEX_BITS)
+_CELL_FIRST = tl.constexpr((127 + top_bits.FLOOR_BINADE) << top_bits.INDEX_BITS)
+_CELL_POSITION_SHIFT = tl.constexpr(top_bits.INDEX_BITS + 9)
+_CELL_POSITIVE_START = tl.constexpr(top_bits.SIGNED_POSITIVE_START - _CELL_FIRST)
 _BFLOAT16_DROPPED_BITS = tl.constexpr(math_spec.BFLOAT16_DROPPED_BITS)
 _BFLOAT16_KEPT_MASK = tl.constexpr(math_spec.BFLOAT16_KEPT_MASK)
 # Added with the lowest kept bit before truncating, it rounds to nearest even.
@@ -212,28 +227,62 @@ def _load_moment(codes_ptr, scales_ptr, table, rows, cols, row_mask,
 
 
 @triton.jit
-def _e4m3fn_bits(values):
-    """``codecs.e4m3fn_bits``: the float8 e4m3fn bits of float32 ``|values| <= 448``, rounded
-    to nearest even, by integer arithmetic (no float8 conversion instruction needed)."""
-    bits = values.to(tl.int32, bitcast=True)
-    magnitude = bits & 0x7FFFFFFF
-    sign = (bits >> 24) & 0x80
-    kept_lowest = (magnitude >> _E4M3FN_DROPPED_BITS) & 1
-    normal = ((magnitude + (_E4M3FN_ROUND_HALF + kept_lowest)) >> _E4M3FN_DROPPED_BITS) - _E4M3FN_BIAS_CHANGE
-    shifted = (tl.abs(values) + _E4M3FN_SUBNORMAL_SHIFT).to(tl.int32, bitcast=True)
-    subnormal = shifted - _E4M3FN_SUBNORMAL_SHIFT_BITS
-    return tl.where(magnitude < _E4M3FN_SMALLEST_NORMAL_BITS, subnormal, normal) | sign
+def _load_cell(table_ptr, index, INTERPRETED: tl.constexpr):
+    """``table_ptr[index]`` (int32) for a table read by scattered indices: ``ld.global.nc``
+    (the read-only data path, cached in L1). As a ``tl.load`` the compiler gives the scattered
+    addresses a layout of their own and moves every operand into it and back through shared
+    memory (measured: 22 spills and +13 SASS instructions per element). The interpreter has
+    no inline PTX."""
+    if INTERPRETED:
+        return tl.load(table_ptr + index)
+    else:
+        base = table_ptr.to(tl.int64, bitcast=True)
+        return tl.inline_asm_elementwise(
+            "{ .reg .u64 address; mad.wide.s32 address, $1, 4, $2; ld.global.nc.b32 $0, [address]; }",
+            "=r,r,l", [index, base], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _encode(values, reciprocal, factor, edges_ptr, BITS: tl.constexpr, CODEC: tl.constexpr):
-    """Nearest code of ``values / scale`` given per-row ``reciprocal = 1 / (scale * factor)``."""
-    # No clamp to [-1, 1] for the linear and table encoders: they give values beyond +-1
-    # (inf, or 1 + 1 ulp from the reciprocal) the code of +-1 already. NaN arises only as
-    # inf * 0, an overflowed moment in a block whose finite values are all 0, and must encode
-    # as 0 does (the reference's normalised value is 0 there): the linear encoder's
-    # NaN-dropping clamp and the search (which puts NaN below every midpoint: code 0) do that
-    # by themselves when code 0 is the code nearest 0; signed maps and float8 select.
+def _encode_cells(normalized, cells_ptr, CODEC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``codec.encode(normalized)`` of a table format, exactly, from its cell table
+    (``top_bits``, where the argument is): the magnitude clamped to [floor, 1] (max and min
+    drop NaN: it lands on the floor, the code of 0), its top bits index a cell, and the
+    magnitude's position in the cell compared with the cell's edge picks one of the cell's two
+    codes. 9 SASS instructions per value (10 signed, 11 with a signed zero). Only the low
+    byte of the result is the code."""
+    if CODEC == _CELLS_CLAMPED:
+        magnitude = normalized  # negative values take the floor's code, as they encode as 0
+    else:
+        magnitude = tl.abs(normalized)
+    magnitude = tl.minimum(tl.maximum(magnitude, _CELL_FLOOR), 1.0)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    if CODEC == _CELLS_SIGNED or CODEC == _CELLS_SIGNED_ZERO:
+        if CODEC == _CELLS_SIGNED_ZERO:
+            # -0.0 has a code of its own and NaN must take +0.0's: min(x, inf) turns NaN into
+            # inf and keeps every other sign.
+            normalized = tl.minimum(normalized, float("inf"))
+        # x's sign on the clamped magnitude: the sign bit becomes the cell index's bit 15,
+        # which puts the negative half of the table 2**15 cells below the positive one.
+        bits_with_sign = bits | (normalized.to(tl.int32, bitcast=True) & -0x80000000)
+        cell = (bits_with_sign >> _CELL_SHIFT) + _CELL_POSITIVE_START
+    else:
+        cell = (bits >> _CELL_SHIFT) - _CELL_FIRST
+    word = _load_cell(cells_ptr, cell, INTERPRETED)
+    # The sign, exponent and index bits shifted out: the position in the cell, above the
+    # word's two code bytes, so one unsigned comparison tests position > edge.
+    position = (bits << _CELL_POSITION_SHIFT).to(tl.uint32, bitcast=True)
+    return tl.where(position > word.to(tl.uint32, bitcast=True), word >> 8, word)
+
+
+@triton.jit
+def _encode(values, reciprocal, factor, encoder_ptr, BITS: tl.constexpr, CODEC: tl.constexpr,
+            INTERPRETED: tl.constexpr):
+    """Nearest code of ``values / scale`` given per-row ``reciprocal = 1 / (scale * factor)``;
+    ``encoder_ptr``: the format's encoder table (``tables.device_tables``)."""
+    # Values beyond +-1 (inf, or 1 + 1 ulp from the reciprocal) take the code of +-1, and NaN,
+    # which arises only as inf * 0 (an overflowed moment in a block whose finite values are
+    # all 0), the code of 0, as the reference's normalisation gives them: the linear encoder's
+    # clamp and the cell tables' clamp do that by themselves.
     if CODEC == _LINEAR:
         # Midpoints (k + 1.5) / 2**bits: the count below x is ceil(x * 2**bits - 1.5), clamped;
         # one FMA with the per-row 2**bits / scale rounds once where x * 2**bits - 1.5 would
@@ -241,35 +290,15 @@ def _encode(values, reciprocal, factor, edges_ptr, BITS: tl.constexpr, CODEC: tl
         levels: tl.constexpr = 1 << BITS
         code = tl.math.ceil(tl.fma(values * factor, reciprocal * levels, -1.5))
         code = tl.minimum(tl.maximum(code, 0.0), levels - 1.0).to(tl.int32)
-    elif CODEC == _FLOAT8:
-        # As the reference normalises (NaN to 0, then clamped: inf or 1 + 1 ulp must not
-        # reach e4m3fn's NaN pattern), then a zero-free codec's floor (-inf for the plain one).
-        normalized = (values * factor) * reciprocal
-        normalized = tl.where(normalized == normalized, normalized, 0.0)
-        normalized = tl.minimum(tl.maximum(normalized, -1.0), 1.0)
-        normalized = tl.where(normalized < tl.load(edges_ptr), 0.0, normalized)
-        code = _e4m3fn_bits(normalized * _FLOAT8_LARGEST)
     else:
-        normalized = (values * factor) * reciprocal
-        if CODEC == _SIGNED_TABLE:
-            normalized = tl.where(normalized == normalized, normalized, 0.0)
-        # Branch-free binary search: after it, code = number of midpoints below x. The first
-        # two steps compare with uniform scalars (no gather); the rest gather the midpoint.
-        size: tl.constexpr = 1 << BITS
-        upper = normalized > tl.load(edges_ptr + (size // 2 - 1))
-        quarter = tl.where(upper, tl.load(edges_ptr + (3 * size // 4 - 1)),
-                           tl.load(edges_ptr + (size // 4 - 1)))
-        code = tl.where(upper, size // 2, 0) + tl.where(normalized > quarter, size // 4, 0)
-        midpoints = tl.load(edges_ptr + tl.arange(0, size))
-        for level in tl.static_range(2, BITS):
-            midpoint = _lookup(midpoints, code + ((1 << (BITS - 1 - level)) - 1), size)
-            code += tl.where(normalized > midpoint, 1 << (BITS - 1 - level), 0)
+        code = _encode_cells((values * factor) * reciprocal, encoder_ptr, CODEC, INTERPRETED)
     return code
 
 
 @triton.jit
-def _store_moment(low, high, codes_ptr, scales_ptr, edges_ptr, rows, cols, row_mask,
-                  BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, CODEC: tl.constexpr):
+def _store_moment(low, high, codes_ptr, scales_ptr, encoder_ptr, rows, cols, row_mask,
+                  BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, CODEC: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
     """Requantize ``ROWS`` blocks given as (low half, high half); write codes and scales."""
     low_abs = tl.where(_is_finite(low), tl.abs(low), 0.0)
     high_abs = tl.where(_is_finite(high), tl.abs(high), 0.0)
@@ -280,9 +309,9 @@ def _store_moment(low, high, codes_ptr, scales_ptr, edges_ptr, rows, cols, row_m
     # One (approximate, <= 2 ulp) division per block; 0 for an all-zero block, whose values
     # then encode as 0.
     reciprocal = tl.where(scale > 0, 1.0 / tl.where(scale > 0, scale * factor, 1.0), 0.0)
-    # Both halves in one tensor: one search (one staging of the midpoints per step) for both.
     both = tl.join(low, high)
-    code = _encode(both, reciprocal[:, None, None], factor[:, None, None], edges_ptr, BITS, CODEC)
+    code = _encode(both, reciprocal[:, None, None], factor[:, None, None], encoder_ptr, BITS, CODEC,
+                   INTERPRETED)
     low_code, high_code = tl.split(code)
     mask = row_mask[:, None]
     if BITS == 8:
@@ -291,7 +320,8 @@ def _store_moment(low, high, codes_ptr, scales_ptr, edges_ptr, rows, cols, row_m
         tl.store(codes_ptr + index + BLOCK_SIZE // 2, high_code.to(tl.uint8), mask=mask)
     else:
         index = rows[:, None] * (BLOCK_SIZE // 2) + cols[None, :]
-        tl.store(codes_ptr + index, (low_code | (high_code << 4)).to(tl.uint8), mask=mask)
+        # Only the cell encoder's low byte is its code: masked, both nibbles pack in one LOP3.
+        tl.store(codes_ptr + index, ((low_code & 0x0F) | ((high_code << 4) & 0xF0)).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -358,9 +388,10 @@ def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexp
     decayed = param if L2_DECAY else param * decay
     # Clamped at Adam's own bound, as math.parameter_update clamps (NaN kept as torch's
     # clamp keeps it).
-    keep_nan = tl.PropagateNan.ALL
-    ratio = tl.maximum(_divide(new_exp_avg, denom, INTERPRETED), -max_ratio, propagate_nan=keep_nan)
-    ratio = tl.minimum(ratio, max_ratio, propagate_nan=keep_nan)
+    # (The enum is spelled out in each call: a local holding it becomes a tensor when compiled.)
+    ratio = _divide(new_exp_avg, denom, INTERPRETED)
+    ratio = tl.maximum(ratio, -max_ratio, propagate_nan=tl.PropagateNan.ALL)
+    ratio = tl.minimum(ratio, max_ratio, propagate_nan=tl.PropagateNan.ALL)
     new_param = tl.fma(-step_size, ratio, decayed)
     new_param = tl.where(finite, new_param, param)
     new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
@@ -371,8 +402,10 @@ def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexp
 
 
 @triton.jit
-def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr):
-    offset = tl.load(layout_row + column)
+def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr, RELOAD: tl.constexpr = False):
+    """A tensor's offset from its list's base; ``RELOAD`` reads it again (a volatile load,
+    which the compiler keeps) instead of holding the first read in registers."""
+    offset = tl.load(layout_row + column, volatile=RELOAD)
     if ALIGNED:
         # Every tensor of an aligned launch starts a multiple of 16 elements from its list's
         # base (checked on the host), so the loads below vectorise.
@@ -384,7 +417,7 @@ def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr):
 def _adamw_lowbit_kernel(
     param_base, grad_base, exp_avg_codes_base, exp_avg_scales_base, exp_avg_sq_codes_base,
     exp_avg_sq_scales_base, max_codes_base, max_scales_base, layout_ptr, program_param_ptr,
-    exp_avg_table_ptr, exp_avg_edges_ptr, exp_avg_sq_table_ptr, exp_avg_sq_edges_ptr,
+    exp_avg_table_ptr, exp_avg_encoder_ptr, exp_avg_sq_table_ptr, exp_avg_sq_encoder_ptr,
     step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, max_ratio,
     seed, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
     EXP_AVG_BITS: tl.constexpr, EXP_AVG_CODEC: tl.constexpr,
@@ -450,13 +483,19 @@ def _adamw_lowbit_kernel(
     m_high, v_high, max_high = _update_half(param_ptr, grad_ptr, high, (m_high, v_high, max_high), hyper,
                                             AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
 
-    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_edges_ptr, rows, cols, row_mask,
-                  BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC)
-    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_edges_ptr, rows, cols,
-                  row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
+    # The codes' and scales' addresses again, for the stores: held from the loads, they were
+    # spilled under the register cap while the cell encoders' lookups are in flight (sm_90).
+    exp_avg_codes = exp_avg_codes_base + _offset(layout_row, _EXP_AVG_CODES, ALIGNED, True)
+    exp_avg_scales = exp_avg_scales_base + _offset(layout_row, _EXP_AVG_SCALES, ALIGNED, True)
+    exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, _EXP_AVG_SQ_CODES, ALIGNED, True)
+    exp_avg_sq_scales = exp_avg_sq_scales_base + _offset(layout_row, _EXP_AVG_SQ_SCALES, ALIGNED, True)
+    _store_moment(m_low, m_high, exp_avg_codes, exp_avg_scales, exp_avg_encoder_ptr, rows, cols, row_mask,
+                  BLOCK_SIZE, EXP_AVG_BITS, EXP_AVG_CODEC, INTERPRETED)
+    _store_moment(v_low, v_high, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_encoder_ptr, rows, cols,
+                  row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC, INTERPRETED)
     if AMSGRAD:
-        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_edges_ptr, rows, cols,
-                      row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC)
+        _store_moment(max_low, max_high, max_codes, max_scales, exp_avg_sq_encoder_ptr, rows, cols,
+                      row_mask, BLOCK_SIZE, EXP_AVG_SQ_BITS, EXP_AVG_SQ_CODEC, INTERPRETED)
 
 
 # --- host side ----------------------------------------------------------------------------

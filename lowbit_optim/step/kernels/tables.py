@@ -1,60 +1,54 @@
 """The quantization maps as the Triton kernel reads them, computed from the public tables
 (``QuantFormat.table``, ``lowbit_optim.formats.maps``) and codecs: which encoder, what it reads
-besides the values (the float32 bin edges), and their device copies."""
+besides the values (cell words), and their device copies."""
+
+import functools
 
 import torch
 
-from lowbit_optim.formats import codecs, maps
+from lowbit_optim.formats import maps
 from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.step.kernels import top_bits
 
-# The kernel's CODEC constexpr. LINEAR: (k + 1) / 2**bits, encoded and decoded by arithmetic;
-# TABLE: binary search over the midpoints of a map whose code 0 is the one nearest 0
-# (unsigned maps); SIGNED_TABLE: the same where it is not, so NaN needs a select; FLOAT8:
-# e4m3fn bits by integer arithmetic (codecs.e4m3fn_bits), decoded by the table.
-LINEAR, TABLE, SIGNED_TABLE, FLOAT8 = 0, 1, 2, 3
+# The kernel's CODEC constexpr. LINEAR: (k + 1) / 2**bits, encoded and decoded by arithmetic.
+# Every other map encodes by its cell table (top_bits): CELLS_CLAMPED where negative values
+# encode as 0 does (zero-free maps), CELLS_ABS where -x encodes as x, CELLS_SIGNED with a half
+# of cells for negative values, CELLS_SIGNED_ZERO the same where -0.0 has a code of its own
+# (float8); all of them decode by a gather from the map's table.
+LINEAR, CELLS_CLAMPED, CELLS_ABS, CELLS_SIGNED, CELLS_SIGNED_ZERO = range(5)
+_CELL_KINDS = {top_bits.CLAMPED: CELLS_CLAMPED, top_bits.ABS: CELLS_ABS, top_bits.SIGNED: CELLS_SIGNED,
+               top_bits.SIGNED_ZERO: CELLS_SIGNED_ZERO}
 
 
-def _is_float8(fmt: QuantFormat) -> bool:
-    codec = fmt.codec
-    inner = codec.inner if isinstance(codec, codecs.ZeroFreeCodec) else codec
-    return isinstance(inner, codecs.Float8Codec)
+@functools.cache
+def _cells(fmt: QuantFormat) -> tuple[torch.Tensor, int]:
+    """(cell words, kernel kind) of a table map, built once per process (0.1-2 s)."""
+    words, sign = top_bits.cell_words(fmt.codec.encode, fmt.name)
+    return words, _CELL_KINDS[sign]
 
 
 def codec_kind(fmt: QuantFormat) -> int:
-    """The kernel's encoder for ``fmt``, judged from its codec and map (``lowbit_optim.formats``)."""
-    table = fmt.table
-    if table.numel() != 1 << fmt.bits or fmt.bits not in (4, 8):
+    """The kernel's encoder for ``fmt``, judged from its map (``lowbit_optim.formats``)."""
+    if fmt.table.numel() != 1 << fmt.bits or fmt.bits not in (4, 8):
         raise ValueError(f"format {fmt.name!r} has no Triton encoder")
-    if _is_float8(fmt):
-        return FLOAT8
-    if torch.equal(table, maps.linear_nonzero_map(total_bits=fmt.bits)):
+    if torch.equal(fmt.table, maps.linear_nonzero_map(total_bits=fmt.bits)):
         return LINEAR
-    if not bool((table[1:] > table[:-1]).all()):
-        raise ValueError(f"format {fmt.name!r}: the binary-search encoder needs a strictly increasing map")
-    zero_code = int((encoder_edges(fmt) < 0).sum())
-    return TABLE if zero_code == 0 else SIGNED_TABLE
+    return _cells(fmt)[1]
 
 
-def encoder_edges(fmt: QuantFormat) -> torch.Tensor:
-    """The bin edges the encoder reads. A table map: ``(t[i] + t[i + 1]) / 2`` in float32,
-    padded with +inf to the table's size. Float8, whose edges are arithmetic: one, the
-    zero-free floor (``ZeroFreeCodec.first_edge``: below it, code 0), -inf for the plain codec."""
-    if _is_float8(fmt):
-        floor = fmt.codec.first_edge if isinstance(fmt.codec, codecs.ZeroFreeCodec) else float("-inf")
-        return torch.tensor([floor], dtype=torch.float32)
-    table = fmt.table.float()
-    edges = (table[1:] + table[:-1]) / 2
-    if isinstance(fmt.codec, codecs.ZeroFreeCodec):
-        edges[0] = fmt.codec.first_edge  # it need not be the midpoint (``keep_edges``)
-    return torch.cat([edges, torch.tensor([float("inf")])])
+def encoder_table(fmt: QuantFormat) -> torch.Tensor:
+    """What the kernel's encoder reads: the cell words (none for the linear map)."""
+    if codec_kind(fmt) == LINEAR:
+        return torch.zeros(1, dtype=torch.int32)
+    return _cells(fmt)[0]
 
 
 _DEVICE_TABLES: dict = {}
 
 
 def device_tables(fmt: QuantFormat, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decode table, encoder edges) on ``device``: copied there once per process."""
+    """(decode table, encoder table) on ``device``: copied there once per process."""
     key = (fmt.name, device)
     if key not in _DEVICE_TABLES:
-        _DEVICE_TABLES[key] = (fmt.table.float().to(device), encoder_edges(fmt).to(device))
+        _DEVICE_TABLES[key] = (fmt.table.float().to(device), encoder_table(fmt).to(device))
     return _DEVICE_TABLES[key]
