@@ -98,6 +98,41 @@ def compiled_graph_count_of(compiled_function) -> int:
     return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
 
+class CompiledVariants:
+    """``function`` compiled once per variant (a tuple of formats and flags), each copy with its
+    own code object (``with_own_code_object``).
+
+    Dynamo keeps at most ``recompile_limit`` (8) graphs per code object and past that runs the
+    function eagerly, silently: slower, and with torch's eager float32 ``sqrt`` (1 ulp off on
+    ~0.6% of inputs) instead of the compiled one. One code object per state kind held a graph
+    per combination of flags, parameter dtype, amsgrad and master weights, and a process that
+    used more than 8 of them (the test suite did) fell back. Per variant, only the parameter's
+    dtype and its correction's vary: at most 6 graphs.
+    """
+
+    def __init__(self, function, prefix: str):
+        self.function, self.prefix = function, prefix
+        self.compiled: dict[tuple, object] = {}
+
+    def get(self, variant: tuple):
+        if variant not in self.compiled:
+            name = "__".join((self.prefix, *map(_variant_name, variant))).replace("-", "_")
+            # Compiled as a plain function (formats and flags are passed as keyword arguments
+            # at the call): torch.compile wraps a functools.partial in a shared helper whose
+            # code object would again be common to every variant.
+            self.compiled[variant] = torch.compile(with_own_code_object(self.function, name), dynamic=False)
+        return self.compiled[variant]
+
+    def graph_count(self, *leading: object) -> int:
+        """Graphs held by the variants that begin with ``leading`` (a state kind's formats)."""
+        return sum(compiled_graph_count_of(compiled) for variant, compiled in self.compiled.items()
+                   if variant[:len(leading)] == leading)
+
+
+def _variant_name(part) -> str:
+    return str(int(part)) if isinstance(part, bool) else getattr(part, "name", str(part))
+
+
 class TailScratch:
     """Reusable one-block buffers for the last, partial block of each parameter.
 

@@ -1,6 +1,6 @@
 """The step of a parameter with quantized moments: ``quantized_adamw_step`` decodes a
 range of blocks, applies ``math.adamw_update`` and encodes them again, in place; compiled
-once per state kind (``compiled_step``) or run eagerly, over the parameter's blocks in
+once per state kind and flags (``COMPILED_STEPS``) or run eagerly, over the parameter's blocks in
 bounded chunks (``run_quantized_step``).
 """
 
@@ -11,13 +11,12 @@ import torch
 
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.step.chunks import (
+    CompiledVariants,
     ParamStep,
     TailScratch,
     call_step,
-    compiled_graph_count_of,
     for_each_block_chunk,
     leading_dims,
-    with_own_code_object,
 )
 from lowbit_optim.step.master_weights import read_master, write_master
 from lowbit_optim.step.math import (
@@ -108,20 +107,14 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
             write_param(param_part, new_param, stochastic_round=stochastic_round)
 
 
-@functools.cache
-def compiled_step(exp_avg_format, exp_avg_sq_format):
-    """The compiled ``quantized_adamw_step`` for one state kind, built once per process."""
-    name = f"quantized_adamw_step__{exp_avg_format.name}__{exp_avg_sq_format.name}"
-    name = name.replace("-", "_")
-    # Compiled as a plain function (formats and flags are passed as keyword arguments at the
-    # call): torch.compile wraps a functools.partial in a shared helper whose code object
-    # would again be common to every state kind.
-    return torch.compile(with_own_code_object(quantized_adamw_step, name), dynamic=False)
+# One compiled step per state kind, flags and amsgrad (``chunks.CompiledVariants``).
+COMPILED_STEPS = CompiledVariants(quantized_adamw_step, "quantized_adamw_step")
 
 
 def compiled_graph_count(exp_avg_format, exp_avg_sq_format) -> int:
-    """How many graphs Dynamo holds for one state kind's step (0 before its first call)."""
-    return compiled_graph_count_of(compiled_step(exp_avg_format, exp_avg_sq_format))
+    """How many graphs Dynamo holds for one state kind's step, over all its variants (0 before
+    its first call)."""
+    return COMPILED_STEPS.graph_count(exp_avg_format, exp_avg_sq_format)
 
 
 def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scratch: TailScratch,
@@ -131,7 +124,8 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
     ``"eager"``."""
     param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _, weight_correction = entry
     if backend == "compile":
-        step = compiled_step(exp_avg.format, exp_avg_sq.format)
+        step = COMPILED_STEPS.get((exp_avg.format, exp_avg_sq.format, maximize, stochastic_round,
+                                   decoupled_weight_decay, max_exp_avg_sq is not None))
     else:
         step = quantized_adamw_step
     step = functools.partial(

@@ -21,12 +21,11 @@ import torch
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state.quantized import QuantizedState
 from lowbit_optim.step.chunks import (
+    CompiledVariants,
     TailScratch,
     call_step,
-    compiled_graph_count_of,
     for_each_block_chunk,
     leading_dims,
-    with_own_code_object,
 )
 from lowbit_optim.step.float_state import FloatStateStep, float_state_groups
 from lowbit_optim.step.hyperparams import StepOptions
@@ -94,17 +93,14 @@ def quantized_rule_step(param, grad, moments: tuple[StoredMoment, ...], constant
             write_param(param_part, new_param, stochastic_round=stochastic_round)
 
 
-@functools.cache
-def compiled_rule_step(rule, formats: tuple[QuantFormat, ...]):
-    """The compiled ``quantized_rule_step`` for one rule and its moments' formats, built once
-    per process, with its own code object (its own graph budget, ``chunks.with_own_code_object``)."""
-    name = "__".join(("quantized_step", rule.name, *(fmt.name for fmt in formats))).replace("-", "_")
-    return torch.compile(with_own_code_object(quantized_rule_step, name), dynamic=False)
+# One compiled step per rule, formats and flags (``chunks.CompiledVariants``).
+COMPILED_RULE_STEPS = CompiledVariants(quantized_rule_step, "quantized_step")
 
 
 def rule_graph_count(rule, formats: tuple[QuantFormat, ...]) -> int:
-    """How many graphs Dynamo holds for one rule's quantized step (0 before its first call)."""
-    return compiled_graph_count_of(compiled_rule_step(rule, formats))
+    """How many graphs Dynamo holds for one rule's quantized step in ``formats`` (0 before its
+    first call)."""
+    return COMPILED_RULE_STEPS.graph_count(rule, *formats)
 
 
 class RulePlan:
@@ -140,7 +136,8 @@ class RulePlan:
 
     def _quantized(self, entry: RuleEntry, constants, options: StepOptions, scratch: TailScratch) -> None:
         formats = tuple(moment.format for moment in entry.moments)
-        step = compiled_rule_step(self.rule, formats) if self.compiled else quantized_rule_step
+        variant = (self.rule, *formats, options.maximize, options.stochastic_round)
+        step = COMPILED_RULE_STEPS.get(variant) if self.compiled else quantized_rule_step
         flags = dict(rule=self.rule, formats=formats, maximize=options.maximize,
                      stochastic_round=options.stochastic_round)
 
