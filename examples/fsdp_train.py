@@ -1,6 +1,7 @@
-"""FSDP2 training with a low-bit AdamW, saved and resumed with torch.distributed.checkpoint.
+"""FSDP2 training with a low-bit optimizer, saved and resumed with torch.distributed.checkpoint.
 
     torchrun --nproc-per-node 2 examples/fsdp_train.py --optimizer AdamW4bit --steps 10
+    torchrun --nproc-per-node 2 examples/fsdp_train.py --param-dtype bfloat16 --master-weight-bits 24
 
 Runs on CPU (gloo) or on GPUs (nccl, one per process). Trains a small MLP for ``--steps``
 steps, saves model and optimizer with DCP halfway, and checks that a fresh model and
@@ -22,9 +23,10 @@ from torch.distributed.fsdp import fully_shard
 import lowbit_optim
 
 
-def build(optimizer_name: str):
+def build(args):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    model.to(getattr(torch, args.param_dtype))
     if torch.cuda.is_available():
         model.cuda()
     for layer in model:
@@ -32,7 +34,10 @@ def build(optimizer_name: str):
             fully_shard(layer)
     fully_shard(model)
     # min_quant_size is compared with each parameter's global size, whatever the sharding.
-    optimizer = getattr(lowbit_optim, optimizer_name)(model.parameters(), lr=1e-3, min_quant_size=4096)
+    # master_weight_bits: each bf16 parameter shard keeps an int8 (24) or int16 (32) correction,
+    # sharded and checkpointed like its parameter.
+    optimizer = getattr(lowbit_optim, args.optimizer)(model.parameters(), lr=1e-3, min_quant_size=4096,
+                                                      master_weight_bits=args.master_weight_bits)
     return model, optimizer
 
 
@@ -40,7 +45,7 @@ def train(model, optimizer, steps: range) -> float:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for step in steps:
         generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())  # a shard of the data
-        inputs = torch.randn(32, 64, generator=generator).to(device)
+        inputs = torch.randn(32, 64, generator=generator).to(device, next(model.parameters()).dtype)
         loss = nn.functional.mse_loss(model(inputs), inputs.flip(-1))
         loss.backward()
         optimizer.step()
@@ -64,7 +69,11 @@ def load(model, optimizer, path: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--optimizer", default="AdamW8bit",
-                        choices=["AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamWFactored4bit"])
+                        choices=["AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamWFactored4bit", "Lion8bit",
+                                 "AdEMAMix8bit"])
+    parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--master-weight-bits", type=int, choices=[24, 32],
+                        help="with --param-dtype bfloat16: keep 24- or 32-bit master weights")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "lowbit_fsdp_ckpt"))
     parser.add_argument("--resume-only", action="store_true",
@@ -77,13 +86,13 @@ def main():
     rank, half = dist.get_rank(), args.steps // 2
 
     if not args.resume_only:
-        model, optimizer = build(args.optimizer)
+        model, optimizer = build(args)
         train(model, optimizer, range(half))
         save(model, optimizer, args.checkpoint)
         loss = train(model, optimizer, range(half, args.steps))
         uninterrupted = [p.full_tensor() for p in model.parameters()]
 
-    model, optimizer = build(args.optimizer)
+    model, optimizer = build(args)
     load(model, optimizer, args.checkpoint)
     resumed_loss = train(model, optimizer, range(half, args.steps))
     if not args.resume_only:
