@@ -1,5 +1,7 @@
 """Helpers shared by several test modules (test modules never import each other)."""
 
+import socket
+
 import torch
 from torch.optim import lr_scheduler
 
@@ -88,3 +90,10 @@ def graph_count(optimizer):
     if isinstance(optimizer, AdamWFactored4bit):
         count += factored.compiled_graph_count(optimizer.exp_avg_format)
     return count
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a spawned process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -36,7 +36,6 @@ statistics each step (issue 16): most tests run it too, the blockwise-only ones 
 
 import gc
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -45,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import relative_rmse
+from helpers import free_port
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -388,17 +388,11 @@ def all_reduces_in(function) -> list[int]:
     return sizes
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    mp.spawn(_worker, args=(2, _free_port(), str(out), _two_rank_runs, "two-ranks.pt"), nprocs=2)
-    mp.spawn(_worker, args=(1, _free_port(), str(out), _one_rank_runs, "one-rank.pt"), nprocs=1)
+    mp.spawn(_worker, args=(2, free_port(), str(out), _two_rank_runs, "two-ranks.pt"), nprocs=2)
+    mp.spawn(_worker, args=(1, free_port(), str(out), _one_rank_runs, "one-rank.pt"), nprocs=1)
     return {**torch.load(out / "two-ranks.pt"), **torch.load(out / "one-rank.pt")}
 
 

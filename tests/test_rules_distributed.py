@@ -7,13 +7,13 @@ forward or backward, so no BLAS rounding enters), and the full optimizer state d
 """
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -71,12 +71,6 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("rules_fsdp")
@@ -85,7 +79,7 @@ def fsdp_runs(tmp_path_factory):
     grads = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
              for _ in range(STEPS)]
     torch.save(grads, out / "grads.pt")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2)
     return grads, torch.load(out / "results.pt")
 
 

@@ -94,15 +94,23 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
 
     updates = [(exp_avg, exp_avg_format, new_exp_avgs), (exp_avg_sq, exp_avg_sq_format, new_exp_avg_sqs),
                (max_exp_avg_sq, exp_avg_sq_format, new_maxes)]
-    for target, fmt, values in updates:
-        if target is not None:
-            codes, scales = fmt.encode_parts(values)
-            target.codes.copy_(codes)
-            target.scales.copy_(scales)
+    store_blocks([update for update in updates if update[0] is not None], param_parts, new_params,
+                 weight_correction_parts, stochastic_round=stochastic_round)
+
+
+def store_blocks(moments: list[tuple], param_parts, new_params, correction_parts, *,
+                 stochastic_round: bool) -> None:
+    """The end of a quantized step, in place: each ``(stored moment, format, new values per
+    slice)`` of ``moments`` encoded into its codes and scales, and each slice's new parameter
+    written (through its master weight correction, ``correction_parts``, if it keeps one)."""
+    for target, fmt, values in moments:
+        codes, scales = fmt.encode_parts(values)
+        target.codes.copy_(codes)
+        target.scales.copy_(scales)
     # Written slice by slice: a torch.cat here made Inductor materialise its inputs.
     for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
-        if weight_correction_parts is not None:
-            write_master(param_part, weight_correction_parts[index], new_param)
+        if correction_parts is not None:
+            write_master(param_part, correction_parts[index], new_param)
         else:
             write_param(param_part, new_param, stochastic_round=stochastic_round)
 

@@ -29,9 +29,9 @@ from lowbit_optim.step.chunks import (
 )
 from lowbit_optim.step.float_state import FloatStateStep, float_state_groups
 from lowbit_optim.step.hyperparams import StepOptions
-from lowbit_optim.step.master_weights import read_master, write_master
-from lowbit_optim.step.math import compute_dtype, effective_gradient, write_param
-from lowbit_optim.step.quantized import StoredMoment
+from lowbit_optim.step.master_weights import read_master
+from lowbit_optim.step.math import compute_dtype, effective_gradient
+from lowbit_optim.step.quantized import StoredMoment, store_blocks
 
 
 class RuleEntry(NamedTuple):
@@ -82,15 +82,8 @@ def quantized_rule_step(param, grad, moments: tuple[StoredMoment, ...], constant
         new_params.append(new_param)
         for values, value in zip(new_moments, updated):
             values.append(value)
-    for moment, fmt, values in zip(moments, formats, new_moments):
-        codes, scales = fmt.encode_parts(values)
-        moment.codes.copy_(codes)
-        moment.scales.copy_(scales)
-    for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
-        if correction_parts is not None:
-            write_master(param_part, correction_parts[index], new_param)
-        else:
-            write_param(param_part, new_param, stochastic_round=stochastic_round)
+    store_blocks(list(zip(moments, formats, new_moments)), param_parts, new_params, correction_parts,
+                 stochastic_round=stochastic_round)
 
 
 # One compiled step per rule, formats and flags (``chunks.CompiledVariants``).
