@@ -343,9 +343,10 @@ def _fsdp_master_weight_runs(rank: int, out) -> dict:
 @pytest.mark.slow
 def test_fsdp2_shards_the_correction_like_its_parameter_and_dcp_round_trips_it(tmp_path):
     import torch.multiprocessing as mp
-    from test_distributed import _free_port, _worker
+    from helpers import free_port
+    from test_distributed import _worker
 
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), _fsdp_master_weight_runs, "master.pt"), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), _fsdp_master_weight_runs, "master.pt"), nprocs=2)
     ranks = torch.load(tmp_path / "master.pt")["ranks"]
     for results in ranks:
         assert all(results["placements"]) and all(results["same"]) and results["dcp"]
