@@ -10,9 +10,10 @@ from lowbit_optim.optim.adamw import (
     AdamW8bit,
     AdamWFactored4bit,
     AdamWFp8,
+    LowBitAdamW,
 )
 from lowbit_optim.optim.ademamix import AdEMAMix4bit, AdEMAMix8bit
-from lowbit_optim.optim.base import LowBitAdamW, LowBitOptimizer
+from lowbit_optim.optim.base import LowBitOptimizer
 from lowbit_optim.optim.lion import Lion4bit, Lion8bit
 
 __all__ = ["Adam4bit", "Adam8bit", "AdamFp8", "AdamW4bit", "AdamW8bit", "AdamWFactored4bit", "AdamWFp8",

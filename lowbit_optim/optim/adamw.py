@@ -1,7 +1,9 @@
-"""The public optimizers: each names the formats of its two moments (and, for the Adam
-classes, that weight decay is L2; for the factored one, which second moments are factored),
-nothing more."""
+"""``LowBitAdamW``, the drop-in ``torch.optim.AdamW`` (its arguments and group options over
+``LowBitOptimizer``), and the public AdamW and Adam classes: each names the formats of its
+two moments (and, for the Adam classes, that weight decay is L2; for the factored one, which
+second moments are factored), nothing more."""
 
+from lowbit_optim.checkpoint import load as checkpoint
 from lowbit_optim.formats.catalog import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
@@ -9,10 +11,89 @@ from lowbit_optim.formats.catalog import (
     FLOAT8,
     FLOAT8_NONZERO,
     LINEAR_4BIT_NONZERO,
+    QuantFormat,
 )
-from lowbit_optim.optim.base import LowBitAdamW
+from lowbit_optim.optim.base import LowBitOptimizer
 from lowbit_optim.state.factored import factor_shape
 from lowbit_optim.state.sharding import check_rows_sharded
+from lowbit_optim.step.rules.adamw import ADAMW
+
+
+class LowBitAdamW(LowBitOptimizer):
+    """``torch.optim.AdamW`` (``Adam`` with ``decoupled_weight_decay = False``) with
+    blockwise-quantized moments. Subclasses set the two formats."""
+
+    rule = ADAMW
+    exp_avg_format: QuantFormat
+    exp_avg_sq_format: QuantFormat
+    # AdamW's decoupled weight decay; the Adam classes add it to the gradient (L2) instead.
+    # Every group records it (as torch.optim.Adam's groups do), so state dicts say which.
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, block_size=None, min_quant_size=4096,
+                 bf16_stochastic_round=False, master_weight_bits=None, backend=None):
+        """``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
+        ``torch.optim.AdamW``'s implementation choices, taken so that code written for it
+        runs unchanged, and kept in the param groups as torch keeps them. The step is always
+        one fused pass per kind of state, so ``fused`` and ``foreach`` (None, True or False)
+        change nothing. ``capturable=True`` and ``differentiable=True`` are refused
+        (``_check_group`` says why)."""
+        hyperparameters = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=self.decoupled_weight_decay)
+        defaults = self._defaults(hyperparameters, maximize=maximize, block_size=block_size,
+                                  min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
+                                  master_weight_bits=master_weight_bits)
+        super().__init__(params, defaults, backend=backend)
+
+    @property
+    def signed_format(self) -> QuantFormat:
+        return self.exp_avg_format
+
+    @property
+    def unsigned_format(self) -> QuantFormat:
+        return self.exp_avg_sq_format
+
+    def _check_backend_options(self, group: dict, backend) -> None:
+        if backend == "triton" and group["master_weight_bits"] is not None:
+            raise ValueError(
+                f"Invalid master_weight_bits: {group['master_weight_bits']!r} with "
+                "backend='triton' (the Triton kernel has no master weight variant yet); use "
+                "backend=None, which steps parameters with master weights through the compiled step"
+            )
+
+    def _fill_group_options(self, group: dict) -> None:
+        super()._fill_group_options(group)
+        group.setdefault("amsgrad", False)
+        group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+        for key, value in checkpoint.TORCH_ADAMW_GROUP_OPTIONS.items():
+            group.setdefault(key, value)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ValueError(
+                f"Invalid decoupled_weight_decay: {group['decoupled_weight_decay']!r} (a bool is needed)"
+            )
+        for key in ("foreach", "fused"):
+            if not (group[key] is None or isinstance(group[key], bool)):
+                raise ValueError(f"Invalid {key}: {group[key]!r} (None, True or False is needed)")
+        if group["capturable"] is not False:
+            raise ValueError(
+                f"Invalid capturable: {group['capturable']!r} ({type(self).__name__} cannot be "
+                "captured in a CUDA graph: its step reads the learning rate and step count on the "
+                "host at every launch, so a replay would repeat the captured values; use "
+                "capturable=False)"
+            )
+        if group["differentiable"] is not False:
+            raise ValueError(
+                f"Invalid differentiable: {group['differentiable']!r} ({type(self).__name__}'s step "
+                "is not differentiable: autograd cannot pass through quantized moments; use "
+                "differentiable=False)"
+            )
 
 
 class AdamW8bit(LowBitAdamW):
