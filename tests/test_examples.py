@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -17,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_fsdp_example_resumes_identically(tmp_path, flags):
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()),
          str(ROOT / "examples" / "fsdp_train.py"), "--steps", "4", "--checkpoint", str(tmp_path / "ckpt"),
          *flags],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
