@@ -163,6 +163,19 @@ def test_odd_size_splits_off_its_last_block(kind, launches, monkeypatch):
     assert seen == [(True, [body]), (False, [4097 - body])] * 2
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_parameter_splits_off_its_last_block(kind, launches):
+    """Two parameters whose partial last blocks both take the unaligned launch: one piece per
+    gradient there too, each starting inside its gradient (at 4096 and 768, so the offsets
+    between the gradients' starts do not give the pieces' offsets)."""
+    cases = []
+    for numel in (4097, 777):
+        param, states = make_case(numel, kind, torch.float32)
+        cases.append((param, None, states))
+    run_against_reference(cases, steps=SCHEDULE[:2])
+    assert launches.aligned == [True, False] * 2
+
+
 @pytest.mark.usefixtures("interpreter")
 def test_kinds_launch_separately(launches):
     """Different dtypes or step counts cannot share a launch; each kind gets exactly one (sizes

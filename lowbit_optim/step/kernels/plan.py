@@ -90,12 +90,15 @@ class KindPlan:
         launches = []
         for aligned, indices in layouts.split_aligned(pieces, address):
             launch_params = [piece_param[i] for i in indices]
+            launch_starts = [piece_start[i] for i in indices]
             launches.append(_Launch(
                 aligned, [tensors[indices[0]] for tensors in pieces], address[:, indices],
                 piece_param=torch.tensor(launch_params, dtype=torch.int64),
-                piece_start=torch.tensor([piece_start[i] for i in indices], dtype=torch.int64),
+                piece_start=torch.tensor(launch_starts, dtype=torch.int64),
                 numels=[pieces[0][i].numel() for i in indices], element_sizes=element_sizes,
-                whole_gradients=launch_params == every_gradient))
+                # One piece per gradient is not enough: the last blocks of as many parameters
+                # as the kind has are one piece each too, but start inside their gradients.
+                whole_gradients=launch_params == every_gradient and not any(launch_starts)))
         return launches
 
     def _prepare(self, grads: list[torch.Tensor]) -> bool:
