@@ -100,23 +100,27 @@ def _moment(fmt, numel, block_size, aligned):
     return codes[pad:].view(blocks, -1), scales[pad:]
 
 
-def variant_launches(kind, dtype, *, amsgrad, stochastic_round, aligned):
-    """What ``launch`` launches for a group of ``NUMELS`` parameters of this kind."""
+def variant_launches(kind, dtype, *, amsgrad, stochastic_round, aligned, master_weight_bits=None):
+    """What ``launch`` launches for a group of ``NUMELS`` parameters of this kind
+    (``master_weight_bits``: with int8 or int16 weight corrections)."""
     exp_avg_name, exp_avg_sq_name, block_size = KINDS[kind]
     exp_avg_format, exp_avg_sq_format = get_format(exp_avg_name), get_format(exp_avg_sq_name)
-    params, grads, moments = [], [], [[], [], []]
+    params, grads, moments, corrections = [], [], [[], [], []], []
+    correction_dtype = torch.int8 if master_weight_bits == 24 else torch.int16
     for index, numel in enumerate(NUMELS):
         # Only the first parameter is misaligned: the rest of the group is as usual.
         pad = 1 if not aligned and index == 0 else 0
         params.append(torch.empty(numel + pad, dtype=dtype, device="meta")[pad:])
         grads.append(torch.empty(numel + pad, dtype=dtype, device="meta")[pad:])
+        corrections.append(torch.empty(numel + pad, dtype=correction_dtype, device="meta")[pad:])
         for moment, fmt in zip(moments, (exp_avg_format, exp_avg_sq_format, exp_avg_sq_format)):
             moment.append(_moment(fmt, numel, block_size, aligned or index))
     scalars = adamw_lowbit.host_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0)
     with recorded_launches() as launches:
         adamw_lowbit.launch(params, grads, moments[0], moments[1], moments[2] if amsgrad else None, scalars,
                             exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format,
-                            block_size=block_size, maximize=False, stochastic_round=stochastic_round, seed=1)
+                            block_size=block_size, maximize=False, stochastic_round=stochastic_round, seed=1,
+                            weight_corrections=corrections if master_weight_bits else None)
     return launches
 
 
@@ -186,12 +190,14 @@ def ptxas_version() -> str:
     return found.group(2) if found else out.strip().splitlines()[-1]
 
 
-def measure(kind, dtype_name, *, amsgrad, stochastic_round, aligned, archs) -> list[dict]:
+def measure(kind, dtype_name, *, amsgrad, stochastic_round, aligned, archs,
+            master_weight_bits=None) -> list[dict]:
     launches = variant_launches(kind, DTYPES[dtype_name], amsgrad=amsgrad, stochastic_round=stochastic_round,
-                                aligned=aligned)
-    name = f"{kind}-{dtype_name}" + ("-sr" if stochastic_round else "") + ("-amsgrad" if amsgrad else "")
+                                aligned=aligned, master_weight_bits=master_weight_bits)
+    name = f"{kind}-{dtype_name}" + ("-sr" if stochastic_round else "")
+    name += (f"-mw{master_weight_bits}" if master_weight_bits else "") + ("-amsgrad" if amsgrad else "")
     name += "" if aligned else "-unaligned"
-    default = aligned and not amsgrad and not stochastic_round
+    default = aligned and not amsgrad and not stochastic_round and not master_weight_bits
     rows = []
     seen = set()
     for arch in archs:
@@ -213,6 +219,7 @@ def measure(kind, dtype_name, *, amsgrad, stochastic_round, aligned, archs) -> l
                 "variant": name,
                 "default": default, "arch": f"sm_{arch}", "kind": kind, "param_dtype": dtype_name,
                 "amsgrad": amsgrad, "stochastic_round": stochastic_round, "aligned": aligned,
+                "master_weight_bits": master_weight_bits,
                 "kernel": kernel.__name__, "block_size": bound["BLOCK_SIZE"],
                 "elements_per_program": elements,
                 "num_warps": metadata.num_warps, "sass_instructions": len(opcodes),
@@ -243,13 +250,16 @@ COLUMNS = [
 
 
 def variants(defaults_only: bool, kinds):
-    for kind, dtype_name, amsgrad, stochastic_round, aligned in itertools.product(
-            kinds, DTYPES, (False, True), (False, True), (True, False)):
-        if stochastic_round and dtype_name != "bf16":
-            continue  # stochastic rounding applies to bfloat16 parameters only
-        if defaults_only and (amsgrad or stochastic_round or not aligned):
+    for kind, dtype_name, amsgrad, stochastic_round, master_weight_bits, aligned in itertools.product(
+            kinds, DTYPES, (False, True), (False, True), (None, 24, 32), (True, False)):
+        if (stochastic_round or master_weight_bits) and dtype_name != "bf16":
+            continue  # stochastic rounding and master weights apply to bfloat16 parameters only
+        if stochastic_round and master_weight_bits:
+            continue  # refused: the master weight keeps what rounding loses
+        if defaults_only and (amsgrad or stochastic_round or master_weight_bits or not aligned):
             continue
-        yield kind, dtype_name, dict(amsgrad=amsgrad, stochastic_round=stochastic_round, aligned=aligned)
+        yield kind, dtype_name, dict(amsgrad=amsgrad, stochastic_round=stochastic_round, aligned=aligned,
+                                     master_weight_bits=master_weight_bits)
 
 
 def main(argv=None) -> None:

@@ -72,26 +72,40 @@ def gradient(numel, dtype):
     return grad.to(dtype)
 
 
-def reference_step(param, grad, states, hyper, *, maximize=False):
-    """``quantized_adamw_step`` on zero-padded blocks; updates ``param`` and ``states`` in place."""
+def reference_step(param, grad, states, hyper, *, maximize=False, decoupled_weight_decay=True,
+                   correction=None):
+    """``quantized_adamw_step`` on zero-padded blocks; updates ``param`` and ``states`` (and the
+    master weight ``correction``, if given) in place."""
     exp_avg, exp_avg_sq = states[:2]
     block_size, num_blocks = exp_avg.block_size, exp_avg.num_blocks
     padding = num_blocks * block_size - param.numel()
-    param_blocks = torch.nn.functional.pad(param.view(-1), (0, padding)).view(num_blocks, block_size)
-    grad_blocks = torch.nn.functional.pad(grad.view(-1), (0, padding)).view(num_blocks, block_size)
+
+    def blocks(tensor):
+        return torch.nn.functional.pad(tensor.view(-1), (0, padding)).view(num_blocks, block_size)
+
+    param_blocks, grad_blocks = blocks(param), blocks(grad)
+    correction_blocks = None if correction is None else blocks(correction)
     stored = [StoredMoment(state.codes, state.scales) for state in states]
     quantized_adamw_step(
         param_blocks, grad_blocks, stored[0], stored[1], stored[2] if len(stored) == 3 else None,
         StepScalars(*hyper), exp_avg_format=exp_avg.format, exp_avg_sq_format=exp_avg_sq.format,
-        maximize=maximize, stochastic_round=False,
+        maximize=maximize, stochastic_round=False, decoupled_weight_decay=decoupled_weight_decay,
+        weight_correction=correction_blocks,
     )
     param.copy_(param_blocks.view(-1)[: param.numel()].view(param.shape))
+    if correction is not None:
+        correction.copy_(correction_blocks.view(-1)[: param.numel()].view(param.shape))
 
 
-def kernel_step(cases, hyper, *, maximize=False, stochastic_round=False):
-    """One ``step_group`` call for ``[(param, grad, states), ...]``."""
-    entries = [(p, g, s[0], s[1], s[2] if len(s) == 3 else None, hyper[5]) for p, g, s in cases]
-    kernels.step_group(entries, *hyper[:5], maximize=maximize, stochastic_round=stochastic_round)
+def kernel_step(cases, hyper, *, corrections=None, **flags):
+    """One ``step_group`` call for ``[(param, grad, states), ...]`` (with master weights: each
+    parameter's correction in ``corrections``); ``flags``: ``step_group``'s (``maximize``,
+    ``stochastic_round``, ``decoupled_weight_decay``)."""
+    flags = dict(maximize=False, stochastic_round=False) | flags
+    corrections = corrections or [None] * len(cases)
+    entries = [(p, g, s[0], s[1], s[2] if len(s) == 3 else None, hyper[5], c)
+               for (p, g, s), c in zip(cases, corrections)]
+    kernels.step_group(entries, *hyper[:5], **flags)
 
 
 def _unpacked(state):
@@ -129,9 +143,12 @@ def assert_states_equal(actual, expected, name, *, values=None):
             f"from its bin edge")
 
 
-def assert_params_close(actual, expected, name, *, update=None):
-    """One ulp of the dtype, plus ``UPDATE_RELATIVE`` of ``update`` (the reference's step)."""
+def assert_params_close(actual, expected, name, *, update=None, rounding=0.0):
+    """One ulp of the dtype, plus ``UPDATE_RELATIVE`` of ``update`` (the reference's step), plus
+    ``rounding`` relative: a rounding the values take after the update (24-bit master
+    weights: 2**-15, one step of their 16-bit mantissa)."""
     rtol, atol = PARAM_TOLERANCE[actual.dtype]
+    rtol += rounding
     assert torch.equal(actual.isnan(), expected.isnan()), f"{name}: NaN positions differ"
     if update is not None:
         slack = UPDATE_RELATIVE * update.abs().float()

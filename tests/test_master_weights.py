@@ -206,12 +206,6 @@ def test_float16_parameters_with_master_weights_are_refused():
         AdamW8bit([torch.nn.Parameter(torch.zeros(8, dtype=torch.float16))], master_weight_bits=24)
 
 
-def test_the_triton_backend_with_master_weights_is_refused(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="backend='triton'"):
-        AdamW4bit(params_pair()[1], master_weight_bits=32, backend="triton")
-
-
 def test_a_loaded_correction_of_the_wrong_dtype_is_refused_and_nothing_changes():
     _, params = params_pair()
     optimizer = AdamW4bit(params, master_weight_bits=24)

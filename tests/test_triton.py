@@ -287,7 +287,7 @@ def test_custom_op_under_torch_compile():
 
     def step(param, grad, codes_m, scales_m, codes_v, scales_v, *hyper):
         torch.ops.lowbit_optim.adamw_lowbit_step(
-            [param], [grad], [codes_m], [scales_m], [codes_v], [scales_v], [], [], *hyper,
+            [param], [grad], [codes_m], [scales_m], [codes_v], [scales_v], [], [], [], *hyper,
             exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero",
             maximize=False, stochastic_round=False)
 
@@ -318,7 +318,7 @@ def test_op_rejects_bad_input():
     hyper = list(hyper_tensors(1e-3, (0.9, 0.999), 0.0, 1))
     op = torch.ops.lowbit_optim.adamw_lowbit_step
     args = [[param], [torch.randn(300)], [states[0].codes], [states[0].scales], [states[1].codes],
-            [states[1].scales], [], []]
+            [states[1].scales], [], [], []]
     flags = dict(exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero",
                  maximize=False, stochastic_round=False)
     with pytest.raises(ValueError, match="must be a 1-element CPU tensor"):
@@ -331,7 +331,7 @@ def test_op_rejects_bad_input():
     odd = [QuantizedState.from_float(torch.zeros(300), fmt, 48) for fmt in (fmt_m, fmt_v)]
     with pytest.raises(ValueError, match="power-of-two block_size"):
         op([param], [torch.randn(300)], [odd[0].codes], [odd[0].scales], [odd[1].codes], [odd[1].scales],
-           [], [], *hyper, **flags)
+           [], [], [], *hyper, **flags)
 
 
 def test_backend_resolution(monkeypatch):

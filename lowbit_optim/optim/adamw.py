@@ -57,14 +57,6 @@ class LowBitAdamW(LowBitOptimizer):
     def unsigned_format(self) -> QuantFormat:
         return self.exp_avg_sq_format
 
-    def _check_backend_options(self, group: dict, backend) -> None:
-        if backend == "triton" and group["master_weight_bits"] is not None:
-            raise ValueError(
-                f"Invalid master_weight_bits: {group['master_weight_bits']!r} with "
-                "backend='triton' (the Triton kernel has no master weight variant yet); use "
-                "backend=None, which steps parameters with master weights through the compiled step"
-            )
-
     def _fill_group_options(self, group: dict) -> None:
         super()._fill_group_options(group)
         group.setdefault("amsgrad", False)

@@ -63,8 +63,6 @@ class LowBitOptimizer(Optimizer):
         super().__init__(params, defaults)
         # From the parameters' devices: None picks "triton" only when they are all CUDA.
         self.backend = resolve_backend(backend, self._devices())
-        for group in self.param_groups:
-            self._check_backend_options(group, backend)
 
     def _defaults(self, hyperparameters: dict, *, maximize=False, block_size=None, min_quant_size=4096,
                   bf16_stochastic_round=False, master_weight_bits=None) -> dict:
@@ -75,9 +73,6 @@ class LowBitOptimizer(Optimizer):
         return dict(hyperparameters, maximize=maximize, block_size=block_size,
                     min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
                     master_weight_bits=master_weight_bits)
-
-    def _check_backend_options(self, group: dict, backend) -> None:
-        """Refuse a group option the chosen ``backend`` cannot honour (none by default)."""
 
     def _init_step_helpers(self) -> None:
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
@@ -137,8 +132,6 @@ class LowBitOptimizer(Optimizer):
             if isinstance(tensor, torch.Tensor):
                 self._check_param(tensor)
                 check_master_weight_param(tensor, candidate["master_weight_bits"], type(self).__name__)
-        if getattr(self, "backend", None) is not None:
-            self._check_backend_options(candidate, self.backend)
         if not isinstance(params, set):
             self._refuse_duplicates(params)
         super().add_param_group(param_group)

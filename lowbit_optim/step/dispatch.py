@@ -84,10 +84,8 @@ class AdamWPlan:
                 floats.append((index, entry))
             elif isinstance(entry.exp_avg_sq, FactoredState):
                 factored.append(index)
-            elif (backend == "triton" and entry.param.dtype != torch.float64
-                  and entry.weight_correction is None):
-                # The kernel has no master weight variant: those take the compiled step.
-                triton_entries.append(index)
+            elif backend == "triton" and entry.param.dtype != torch.float64:
+                triton_entries.append(index)  # master weights included
             elif (backend == "cpu"
                   and cpu_kernel.supports(entry.exp_avg.format, entry.exp_avg_sq.format,
                                           entry.exp_avg.block_size, entry.param, entry.grad)):

@@ -89,6 +89,7 @@ import triton
 import triton.language as tl
 
 from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.step import master_weights
 from lowbit_optim.step import math as math_spec
 from lowbit_optim.step.kernels import layout as layouts
 from lowbit_optim.step.kernels import tables, top_bits
@@ -134,6 +135,14 @@ _MAX_CODES = tl.constexpr(layouts.MAX_CODES)
 _MAX_SCALES = tl.constexpr(layouts.MAX_SCALES)
 _NUMEL = tl.constexpr(layouts.NUMEL)
 _FIRST_PROGRAM = tl.constexpr(layouts.FIRST_PROGRAM)
+_WEIGHT_CORRECTION = tl.constexpr(layouts.WEIGHT_CORRECTION)
+# The master weight's bit split (lowbit_optim.step.master_weights, where the reasons are).
+_BFLOAT16_SHIFT = tl.constexpr(master_weights.BFLOAT16_SHIFT)
+_BFLOAT16_ROUNDING = tl.constexpr(master_weights.BFLOAT16_ROUNDING)
+_MASTER_24_DROPPED_BITS = tl.constexpr(master_weights.MASTER_24_DROPPED_BITS)
+_MASTER_24_ROUNDING = tl.constexpr(master_weights.MASTER_24_ROUNDING)
+_MASTER_24_KEPT_MASK = tl.constexpr(-(1 << master_weights.MASTER_24_DROPPED_BITS))
+_CANONICAL_NAN_BITS = tl.constexpr(master_weights.CANONICAL_NAN_BITS)
 # Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
 _TINY_SCALE = tl.constexpr(2.0**-125)
 _TINY_FACTOR = tl.constexpr(2.0**64)
@@ -347,13 +356,55 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
 
 
 @triton.jit
-def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexpr,
+def _read_master(param, correction, MASTER_WEIGHT_BITS: tl.constexpr):
+    """``master_weights.read_master``: the float32 master weight of a bfloat16 parameter and
+    its correction (int8 for 24 bits, int16 for 32), with the same integer operations."""
+    upper = param.to(tl.int16, bitcast=True).to(tl.int32) << _BFLOAT16_SHIFT
+    remainder = correction.to(tl.int32)
+    if MASTER_WEIGHT_BITS == 24:
+        remainder = remainder << _MASTER_24_DROPPED_BITS
+    return (upper + remainder).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
+    """``master_weights.split_master``: float32 ``master`` -> (bfloat16 parameter, correction),
+    with the same integer operations: rounded half up in bit space (to a multiple of 2**8
+    first for 24 bits), every NaN replaced by one quiet NaN."""
+    bits = tl.where(master == master, master.to(tl.int32, bitcast=True), _CANONICAL_NAN_BITS)
+    if MASTER_WEIGHT_BITS == 24:
+        bits = (bits + _MASTER_24_ROUNDING) & _MASTER_24_KEPT_MASK
+    upper = (bits + _BFLOAT16_ROUNDING) >> _BFLOAT16_SHIFT
+    remainder = bits - (upper << _BFLOAT16_SHIFT)
+    if MASTER_WEIGHT_BITS == 24:
+        correction = (remainder >> _MASTER_24_DROPPED_BITS).to(tl.int8)
+    else:
+        correction = remainder.to(tl.int16)
+    return upper.to(tl.int16).to(tl.bfloat16, bitcast=True), correction
+
+
+@triton.jit
+def _load_param(param_ptr, correction_ptr, index, mask, MASTER_WEIGHT_BITS: tl.constexpr):
+    """The parameter as float32: its master weight where it keeps a correction."""
+    if MASTER_WEIGHT_BITS:
+        param = tl.load(param_ptr + index, mask=mask, other=0.0)
+        correction = tl.load(correction_ptr + index, mask=mask, other=0)
+        return _read_master(param, correction, MASTER_WEIGHT_BITS)
+    else:
+        return tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _update_half(param_ptr, grad_ptr, correction_ptr, half, moments, hyper, AMSGRAD: tl.constexpr,
                  MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 MASTER_WEIGHT_BITS: tl.constexpr, INTERPRETED: tl.constexpr):
     """``math.adamw_update`` on one half-tile; stores the parameter, returns the moments.
     ``half``: the half-tile's ``(index, mask, noise)``; ``moments``: its ``(exp_avg,
     exp_avg_sq, max_exp_avg_sq)``; ``hyper``: the step's scalars, the same for both halves
     (the kernel's ``step_size`` to ``max_ratio``, in that order).
+    ``MASTER_WEIGHT_BITS`` (24 or 32; 0 for none): the update reads and writes the master
+    weight of a bfloat16 parameter and its correction at ``correction_ptr``, as the compiled
+    step does (``quantized.quantized_adamw_step``).
     ``L2_DECAY`` (torch.optim.Adam): ``decay`` is the weight decay, added to the gradient as
     ``decay * param``, and the parameter is not scaled. One scalar serves both meanings: a
     separate one cost the 8-bit float32 variant two spills under the register cap (sm_90)."""
@@ -368,7 +419,7 @@ def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexp
     # old ones, so the gradient itself needs no cleaning.
     finite = _is_finite(grad)
     if L2_DECAY:
-        param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        param = _load_param(param_ptr, correction_ptr, index, mask, MASTER_WEIGHT_BITS)
         grad = grad + decay * param
     new_exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
     # torch addcmul order, ((1 - beta2) * g) * g: g * g first overflows float32 sooner.
@@ -384,7 +435,7 @@ def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexp
     # Loaded where it is needed: under the register cap, loading it with the gradient cost
     # 8-bit float32 a spill on sm_90.
     if not L2_DECAY:
-        param = tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        param = _load_param(param_ptr, correction_ptr, index, mask, MASTER_WEIGHT_BITS)
     decayed = param if L2_DECAY else param * decay
     # Clamped at Adam's own bound, as math.parameter_update clamps (NaN kept as torch's
     # clamp keeps it).
@@ -394,8 +445,12 @@ def _update_half(param_ptr, grad_ptr, half, moments, hyper, AMSGRAD: tl.constexp
     ratio = tl.minimum(ratio, max_ratio, propagate_nan=tl.PropagateNan.ALL)
     new_param = tl.fma(-step_size, ratio, decayed)
     new_param = tl.where(finite, new_param, param)
-    new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
-                                STOCHASTIC_ROUND, INTERPRETED)
+    if MASTER_WEIGHT_BITS:
+        new_param, new_correction = _split_master(new_param, MASTER_WEIGHT_BITS)
+        tl.store(correction_ptr + index, new_correction, mask=mask)
+    else:
+        new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
+                                    STOCHASTIC_ROUND, INTERPRETED)
     tl.store(param_ptr + index, new_param, mask=mask)
     return (tl.where(finite, new_exp_avg, exp_avg), tl.where(finite, new_exp_avg_sq, exp_avg_sq),
             new_max)
@@ -416,14 +471,15 @@ def _offset(layout_row, column: tl.constexpr, ALIGNED: tl.constexpr, RELOAD: tl.
 @triton.jit(do_not_specialize=["seed"])
 def _adamw_lowbit_kernel(
     param_base, grad_base, exp_avg_codes_base, exp_avg_scales_base, exp_avg_sq_codes_base,
-    exp_avg_sq_scales_base, max_codes_base, max_scales_base, layout_ptr, program_param_ptr,
+    exp_avg_sq_scales_base, max_codes_base, max_scales_base, weight_correction_base, layout_ptr,
+    program_param_ptr,
     exp_avg_table_ptr, exp_avg_encoder_ptr, exp_avg_sq_table_ptr, exp_avg_sq_encoder_ptr,
     step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps, max_ratio,
     seed, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, LAYOUT_COLUMNS: tl.constexpr,
     EXP_AVG_BITS: tl.constexpr, EXP_AVG_CODEC: tl.constexpr,
     EXP_AVG_SQ_BITS: tl.constexpr, EXP_AVG_SQ_CODEC: tl.constexpr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, L2_DECAY: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
-    INTERPRETED: tl.constexpr, ALIGNED: tl.constexpr,
+    MASTER_WEIGHT_BITS: tl.constexpr, INTERPRETED: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     param_index = tl.load(program_param_ptr + pid)
@@ -452,6 +508,9 @@ def _adamw_lowbit_kernel(
 
     param_ptr = param_base + _offset(layout_row, _PARAM, ALIGNED)
     grad_ptr = grad_base + _offset(layout_row, _GRAD, ALIGNED)
+    correction_ptr = weight_correction_base  # None without master weights
+    if MASTER_WEIGHT_BITS:
+        correction_ptr = weight_correction_base + _offset(layout_row, _WEIGHT_CORRECTION, ALIGNED)
     exp_avg_codes = exp_avg_codes_base + _offset(layout_row, _EXP_AVG_CODES, ALIGNED)
     exp_avg_scales = exp_avg_scales_base + _offset(layout_row, _EXP_AVG_SCALES, ALIGNED)
     exp_avg_sq_codes = exp_avg_sq_codes_base + _offset(layout_row, _EXP_AVG_SQ_CODES, ALIGNED)
@@ -478,10 +537,12 @@ def _adamw_lowbit_kernel(
              max_ratio)
     low = (low_index, row_mask[:, None] & (low_index < numel32), noise_low)
     high = (high_index, row_mask[:, None] & (high_index < numel32), noise_high)
-    m_low, v_low, max_low = _update_half(param_ptr, grad_ptr, low, (m_low, v_low, max_low), hyper,
-                                         AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
-    m_high, v_high, max_high = _update_half(param_ptr, grad_ptr, high, (m_high, v_high, max_high), hyper,
-                                            AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND, INTERPRETED)
+    m_low, v_low, max_low = _update_half(param_ptr, grad_ptr, correction_ptr, low, (m_low, v_low, max_low),
+                                         hyper, AMSGRAD, MAXIMIZE, L2_DECAY, STOCHASTIC_ROUND,
+                                         MASTER_WEIGHT_BITS, INTERPRETED)
+    m_high, v_high, max_high = _update_half(param_ptr, grad_ptr, correction_ptr, high,
+                                            (m_high, v_high, max_high), hyper, AMSGRAD, MAXIMIZE, L2_DECAY,
+                                            STOCHASTIC_ROUND, MASTER_WEIGHT_BITS, INTERPRETED)
 
     # The codes' and scales' addresses again, for the stores: held from the loads, they were
     # spilled under the register cap while the cell encoders' lookups are in flight (sm_90).
@@ -540,8 +601,10 @@ def _adam_ratio_bound(beta1: float, beta2: float, step: float) -> float:
     return (1 - beta1) * math.sqrt(geometric / (1 - beta2)) * math.sqrt(1 - beta2**step)
 
 
-def check_launch_lists(params: list[torch.Tensor], grads: list[torch.Tensor], block_size: int) -> None:
-    """What every launch needs of its parameters and gradients, refused with the reason."""
+def check_launch_lists(params: list[torch.Tensor], grads: list[torch.Tensor], block_size: int,
+                       weight_corrections: list[torch.Tensor] | None = None) -> None:
+    """What every launch needs of its parameters, gradients and weight corrections, refused
+    with the reason."""
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two block_size (got {block_size}): "
                          "tl.arange spans half a block")
@@ -556,6 +619,27 @@ def check_launch_lists(params: list[torch.Tensor], grads: list[torch.Tensor], bl
             raise ValueError(f"{name} must be contiguous tensors of one dtype on {device}")
     if any(p.numel() >= 2**31 for p in params):
         raise ValueError("a parameter of 2**31 elements or more: the kernel indexes within a tensor in int32")
+    if weight_corrections is not None:
+        master_weight_bits(params, weight_corrections)
+
+
+def master_weight_bits(params: list[torch.Tensor], weight_corrections: list[torch.Tensor] | None) -> int:
+    """The kernel's ``MASTER_WEIGHT_BITS`` for these parameters and corrections (0: none),
+    with what master weights need of them refused with the reason."""
+    if weight_corrections is None:
+        return 0
+    if len(weight_corrections) != len(params):
+        raise ValueError("weight_corrections must have one entry per parameter")
+    dtype = weight_corrections[0].dtype
+    if dtype not in (torch.int8, torch.int16) or params[0].dtype != torch.bfloat16:
+        raise ValueError(f"master weights need bfloat16 parameters and int8 or int16 corrections "
+                         f"(got {params[0].dtype} and {dtype})")
+    for param, correction in zip(params, weight_corrections):
+        if (correction.dtype != dtype or correction.device != param.device or not correction.is_contiguous()
+                or correction.numel() != param.numel()):
+            raise ValueError(f"weight_corrections must be contiguous {dtype} tensors with their parameters' "
+                             f"sizes on {param.device}")
+    return 24 if dtype == torch.int8 else 32
 
 
 def rows_per_program(device: torch.device, block_size: int) -> int:
@@ -563,39 +647,45 @@ def rows_per_program(device: torch.device, block_size: int) -> int:
     return max(1, tile // block_size)
 
 
-def tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq) -> list[list[torch.Tensor]]:
+def tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                    weight_corrections=None) -> list[list[torch.Tensor]]:
     """The kernel's eight tensor lists (without amsgrad the max lists repeat exp_avg_sq's, which
-    the kernel then never reads). The layout and the kernel address every tensor by its data
-    pointer as a flat array, so contiguous tensors of any shape serve as they are."""
+    the kernel then never reads), and the weight corrections as a ninth where there are any.
+    The layout and the kernel address every tensor by its data pointer as a flat array, so
+    contiguous tensors of any shape serve as they are."""
     moments = [exp_avg, exp_avg_sq, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq]
-    return [list(params), list(grads)] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
+    lists = [list(params), list(grads)] + [[pair[i] for pair in moment] for moment in moments for i in (0, 1)]
+    return lists if weight_corrections is None else lists + [list(weight_corrections)]
 
 
 def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[tuple],
            exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, scalars: dict[str, float | bool],
            *, exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
-           maximize: bool, stochastic_round: bool, seed: int) -> None:
+           maximize: bool, stochastic_round: bool, seed: int,
+           weight_corrections: list[torch.Tensor] | None = None) -> None:
     """Update params and moments in place: one launch for the parameters whose tensors are
     aligned (``layout.split_aligned``), one for the rest, where there are any.
 
     ``params``/``grads`` are contiguous tensors of one dtype each; each moment is a list of
     ``(codes, scales)`` pairs laid out as in ``QuantizedState``; ``scalars`` comes from
-    ``host_scalars``. Works everything out on every call, with layouts cached by address
-    (``layout.get_layout``); the optimizer's steps go through ``kernels.plan.KindPlan``, which
-    works it out once.
+    ``host_scalars``. ``weight_corrections``: bfloat16 parameters' master weight corrections
+    (``master_weights``; contiguous, all int8 or all int16), updated in place with them.
+    Works everything out on every call, with layouts cached by address (``layout.get_layout``);
+    the optimizer's steps go through ``kernels.plan.KindPlan``, which works it out once.
     """
     if not params:
         return
-    check_launch_lists(params, grads, block_size)
+    check_launch_lists(params, grads, block_size, weight_corrections)
     device = params[0].device
     rows = rows_per_program(device, block_size)
     tensor_lists, _, _ = layouts.split_tails(
-        tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq), block_size)
+        tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_corrections), block_size)
     tables = device_tables(exp_avg_format, device) + device_tables(exp_avg_sq_format, device)
     address = layouts.addresses_of(tensor_lists)
     options = kernel_options(exp_avg_format, exp_avg_sq_format, block_size=block_size, rows=rows,
                              amsgrad=max_exp_avg_sq is not None, maximize=maximize,
                              stochastic_round=stochastic_round and params[0].dtype == torch.bfloat16,
+                             master_weight_bits=master_weight_bits(params, weight_corrections),
                              interpreted=device.type == "cpu")
     for aligned, indices in layouts.split_aligned(tensor_lists, address):
         lists = [[tensors[i] for i in indices] for tensors in tensor_lists]
@@ -612,25 +702,32 @@ def device_guard(device: torch.device):
 
 def kernel_options(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, *, block_size: int,
                    rows: int, amsgrad: bool, maximize: bool, stochastic_round: bool,
-                   interpreted: bool) -> dict:
+                   interpreted: bool, master_weight_bits: int = 0) -> dict:
     """The kernel's compile-time options for one kind (``ALIGNED`` and the register cap are
-    per launch: ``_launch_one`` adds them)."""
+    per launch: ``_launch_one`` adds them). ``master_weight_bits``: 24 or 32 for parameters
+    with weight corrections, 0 for none."""
+    if stochastic_round and master_weight_bits:
+        raise ValueError("stochastic rounding and master weights exclude each other: the master "
+                         "weight keeps what rounding loses")
     return dict(
-        BLOCK_SIZE=block_size, ROWS=rows, LAYOUT_COLUMNS=layouts.LAYOUT_COLUMNS,
+        BLOCK_SIZE=block_size, ROWS=rows,
+        LAYOUT_COLUMNS=layouts.layout_columns(layouts.LIST_COUNT + bool(master_weight_bits)),
         EXP_AVG_BITS=exp_avg_format.bits, EXP_AVG_CODEC=codec_kind(exp_avg_format),
         EXP_AVG_SQ_BITS=exp_avg_sq_format.bits, EXP_AVG_SQ_CODEC=codec_kind(exp_avg_sq_format),
-        AMSGRAD=amsgrad, MAXIMIZE=maximize, STOCHASTIC_ROUND=stochastic_round, INTERPRETED=interpreted,
-        num_warps=4, enable_fp_fusion=False,
+        AMSGRAD=amsgrad, MAXIMIZE=maximize, STOCHASTIC_ROUND=stochastic_round,
+        MASTER_WEIGHT_BITS=master_weight_bits, INTERPRETED=interpreted, num_warps=4, enable_fp_fusion=False,
     )
 
 
 def _launch_one(bases: list[torch.Tensor], layout: layouts.Layout, tables: tuple, scalars: dict, seed: int,
                 options: dict) -> None:
-    """One launch: ``bases`` are the eight lists' first tensors, which ``layout`` is relative to;
-    ``options`` from ``kernel_options``."""
+    """One launch: ``bases`` are the lists' first tensors (``tensor_lists_of``), which ``layout``
+    is relative to; ``options`` from ``kernel_options``."""
+    # Without master weights the corrections' pointer is None: a constexpr, no argument at all.
+    weight_correction_base = bases[layouts.LIST_COUNT] if options["MASTER_WEIGHT_BITS"] else None
     with device_guard(bases[0].device):
         _adamw_lowbit_kernel[(layout.num_programs,)](
-            *bases, layout.table, layout.program_param, *tables,
+            *bases[:layouts.LIST_COUNT], weight_correction_base, layout.table, layout.program_param, *tables,
             scalars["step_size"], scalars["decay"], scalars["one_minus_beta1"], scalars["beta2"],
             scalars["one_minus_beta2"], scalars["inv_bias_correction2_sqrt"], scalars["eps"],
             scalars["max_ratio"], seed,

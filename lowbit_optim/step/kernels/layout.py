@@ -8,7 +8,9 @@ two small device tensors:
 * ``table`` (int64, one row per parameter): for each of the eight tensor lists (param, grad,
   exp_avg codes and scales, exp_avg_sq codes and scales, max codes and scales) the offset
   in elements of this parameter's tensor from the list's first tensor, which the kernel
-  receives as a typed pointer; then ``numel`` and the parameter's first program;
+  receives as a typed pointer; then ``numel`` and the parameter's first program; then, in a
+  launch of parameters with master weights, the offset of their weight corrections (a ninth
+  list, element for element like the parameters);
 * ``program_param`` (int32, one entry per program): the parameter's row.
 
 A launch is either aligned (every tensor 16 bytes aligned, every offset and ``numel`` a
@@ -31,16 +33,32 @@ from dataclasses import dataclass
 
 import torch
 
-# The table's columns: the eight tensor lists' offsets, then numel and the first program.
+# The table's columns: the eight tensor lists' offsets, then numel and the first program, then
+# the weight corrections' offsets in a launch with master weights only (the others read a table
+# of ``LAYOUT_COLUMNS``, whose columns do not depend on master weights).
 (PARAM, GRAD, EXP_AVG_CODES, EXP_AVG_SCALES, EXP_AVG_SQ_CODES, EXP_AVG_SQ_SCALES, MAX_CODES,
- MAX_SCALES, NUMEL, FIRST_PROGRAM) = range(10)
+ MAX_SCALES, NUMEL, FIRST_PROGRAM, WEIGHT_CORRECTION) = range(11)
 LAYOUT_COLUMNS = 10
+# The column of each tensor list, in the lists' order (``adamw_lowbit.tensor_lists_of``).
+LIST_COLUMNS = (PARAM, GRAD, EXP_AVG_CODES, EXP_AVG_SCALES, EXP_AVG_SQ_CODES, EXP_AVG_SQ_SCALES, MAX_CODES,
+                MAX_SCALES, WEIGHT_CORRECTION)
+# A launch's lists without master weights (the weight corrections are a ninth).
+LIST_COUNT = 8
+# The lists indexed element for element like the parameter (the others by block).
+ELEMENTWISE_LISTS = tuple(LIST_COLUMNS.index(column) for column in (PARAM, GRAD, WEIGHT_CORRECTION))
+
 # Offsets that are multiples of 16 elements let the kernel promise aligned, vectorisable
 # loads; anything else (odd views) gets the unaligned kernel variant.
 ALIGNMENT_ELEMENTS = 16
 # Where every tensor of an aligned launch starts: 16 bytes, one vector load's width.
 ALIGNMENT_BYTES = 16
 CACHE_SIZE = 16
+
+
+def layout_columns(list_count: int) -> int:
+    """The table's width for a launch of ``list_count`` tensor lists: ``LIST_COUNT``, or one
+    more with weight corrections."""
+    return LAYOUT_COLUMNS if list_count == LIST_COUNT else WEIGHT_CORRECTION + 1
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,7 @@ def split_tails(tensor_lists: list[list[torch.Tensor]], block_size: int
         odd_size = param.numel() % ALIGNMENT_ELEMENTS != 0
         if (odd_size and whole_blocks and body % ALIGNMENT_ELEMENTS == 0
                 and all(t.data_ptr() % ALIGNMENT_BYTES == 0 for t in tensors)):
-            split = [(t.view(-1)[:body], t.view(-1)[body:]) if position < 2
+            split = [(t.view(-1)[:body], t.view(-1)[body:]) if position in ELEMENTWISE_LISTS
                      else (t[:whole_blocks], t[whole_blocks:])
                      for position, t in enumerate(tensors)]
             for piece_list, (head, tail) in zip(pieces, split):
@@ -116,7 +134,7 @@ def split_aligned(tensor_lists: list[list[torch.Tensor]],
 def get_layout(tensor_lists: list[list[torch.Tensor]], numels: list[int], block_size: int, rows: int,
                device: torch.device, *, aligned: bool = False,
                address: torch.Tensor | None = None) -> Layout:
-    """The layout for these tensors (eight lists, one tensor per parameter in each).
+    """The layout for these tensors (eight or nine lists, one tensor per parameter in each).
 
     ``aligned=True`` asserts what ``split_aligned`` checked; it is verified again on a build.
     ``address``: ``addresses_of(tensor_lists)`` if already read.
@@ -158,8 +176,8 @@ def build_layout(address: torch.Tensor, element_sizes: list[int], numels: list[i
                and bool((numel % ALIGNMENT_ELEMENTS == 0).all()))
     blocks = (numel + block_size - 1) // block_size
     programs = (blocks + rows - 1) // rows
-    table = torch.empty(num_params, LAYOUT_COLUMNS, dtype=torch.int64)
-    table[:, :NUMEL] = offsets.t()
+    table = torch.empty(num_params, layout_columns(len(element_sizes)), dtype=torch.int64)
+    table[:, list(LIST_COLUMNS[:len(element_sizes)])] = offsets.t()
     table[:, NUMEL] = numel
     table[:, FIRST_PROGRAM] = torch.cumsum(programs, 0) - programs
     program_param = torch.repeat_interleave(torch.arange(num_params, dtype=torch.int32), programs)

@@ -25,7 +25,7 @@ from lowbit_optim.step.kernels import adamw_lowbit
 from lowbit_optim.step.kernels.plan import KindPlan
 
 _MUTATED = ("params", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales",
-            "max_exp_avg_sq_codes", "max_exp_avg_sq_scales")
+            "max_exp_avg_sq_codes", "max_exp_avg_sq_scales", "weight_corrections")
 
 
 def _host_float(name: str, value: Tensor) -> float:
@@ -41,18 +41,22 @@ def _host_float(name: str, value: Tensor) -> float:
 def adamw_lowbit_step(
     params: list[Tensor], grads: list[Tensor], exp_avg_codes: list[Tensor], exp_avg_scales: list[Tensor],
     exp_avg_sq_codes: list[Tensor], exp_avg_sq_scales: list[Tensor], max_exp_avg_sq_codes: list[Tensor],
-    max_exp_avg_sq_scales: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
-    weight_decay: Tensor, step: Tensor, *, exp_avg_format: str, exp_avg_sq_format: str, maximize: bool,
-    stochastic_round: bool, seed: int | None = None, decoupled_weight_decay: bool = True,
+    max_exp_avg_sq_scales: list[Tensor], weight_corrections: list[Tensor], lr: Tensor, beta1: Tensor,
+    beta2: Tensor, eps: Tensor, weight_decay: Tensor, step: Tensor, *, exp_avg_format: str,
+    exp_avg_sq_format: str, maximize: bool, stochastic_round: bool, seed: int | None = None,
+    decoupled_weight_decay: bool = True,
 ) -> None:
     """One quantized AdamW step for every parameter given, in place, in one launch
     (``decoupled_weight_decay=False``: torch.optim.Adam's L2 weight decay).
 
     ``params`` (contiguous, one dtype) and ``grads`` (one dtype) pair up with the moments'
     codes and scales (``QuantizedState.codes``/``.scales``); the ``max_exp_avg_sq`` lists are
-    empty unless amsgrad is on. All parameters share ``step``. ``seed`` (bfloat16 stochastic
-    rounding only): the noise seed, e.g. from ``stochastic_round_seed`` and a counter the
-    caller keeps; ``None`` draws one from torch's CPU generator (which that consumes).
+    empty unless amsgrad is on, ``weight_corrections`` unless the parameters keep master
+    weights (bfloat16 parameters' corrections, ``step.master_weights``: contiguous, all int8
+    or all int16; the step updates parameter and correction together). All parameters share
+    ``step``. ``seed`` (bfloat16 stochastic rounding only): the noise seed, e.g. from
+    ``stochastic_round_seed`` and a counter the caller keeps; ``None`` draws one from torch's
+    CPU generator (which that consumes).
     """
     exp_avg_fmt, exp_avg_sq_fmt = get_format(exp_avg_format), get_format(exp_avg_sq_format)
     amsgrad = bool(max_exp_avg_sq_codes)
@@ -89,13 +93,14 @@ def adamw_lowbit_step(
         adamw_lowbit.host_scalars(*values, decoupled_weight_decay=decoupled_weight_decay),
         exp_avg_format=exp_avg_fmt, exp_avg_sq_format=exp_avg_sq_fmt, block_size=block_size,
         maximize=maximize, stochastic_round=stochastic_round, seed=seed,
+        weight_corrections=weight_corrections or None,
     )
 
 
 @adamw_lowbit_step.register_fake
 def _(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
-      max_exp_avg_sq_codes, max_exp_avg_sq_scales, lr, beta1, beta2, eps, weight_decay, step, *,
-      exp_avg_format, exp_avg_sq_format, maximize, stochastic_round, seed=None,
+      max_exp_avg_sq_codes, max_exp_avg_sq_scales, weight_corrections, lr, beta1, beta2, eps, weight_decay,
+      step, *, exp_avg_format, exp_avg_sq_format, maximize, stochastic_round, seed=None,
       decoupled_weight_decay=True):
     return None
 
@@ -134,8 +139,9 @@ class StepGroupPlan:
     given (one per entry, in order, same shapes and dtypes as when planned). The optimizer
     keeps one per param group while its parameters, states and step counts stay as they were
     (``lowbit_optim.step.plan``), so a step does per parameter only what depends on the
-    gradients: their addresses (``kernels.plan.KindPlan``). Non-contiguous parameters step
-    through contiguous buffers kept here, so their addresses stay put too.
+    gradients: their addresses (``kernels.plan.KindPlan``). Non-contiguous parameters (and
+    master weight corrections) step through contiguous buffers kept here, so their addresses
+    stay put too.
     """
 
     def __init__(self, entries: list[tuple]):
@@ -143,9 +149,10 @@ class StepGroupPlan:
         kinds: dict[tuple, list[int]] = {}
         steps = torch.stack([entry.step for entry in entries]).tolist() if entries else []
         for index, (entry, step) in enumerate(zip(entries, steps)):
+            correction = entry.weight_correction
             key = (entry.exp_avg.format_name, entry.exp_avg_sq.format_name, entry.exp_avg.block_size,
                    entry.param.dtype, entry.grad.dtype, entry.param.device, step,
-                   entry.max_exp_avg_sq is not None)
+                   entry.max_exp_avg_sq is not None, None if correction is None else correction.dtype)
             kinds.setdefault(key, []).append(index)
         self.kinds = [self._kind(entries, indices) for indices in kinds.values()]
 
@@ -153,10 +160,12 @@ class StepGroupPlan:
     def _kind(entries, indices):
         kind = [entries[i] for i in indices]
         params = [e.param for e in kind]  # stepped under no_grad: no autograd to detach from
+        corrections = None if kind[0].weight_correction is None else [e.weight_correction for e in kind]
         # The kernel needs contiguous memory: a non-contiguous parameter steps a buffer.
-        work = [p if p.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format)
-                for p in params]
-        copies = [(p, w) for p, w in zip(params, work) if w is not p]
+        work = [_contiguous_buffer(p) for p in params]
+        work_corrections = None if corrections is None else [_contiguous_buffer(c) for c in corrections]
+        copies = [(t, w) for t, w in zip(params + (corrections or []), work + (work_corrections or []))
+                  if w is not t]
 
         def pairs(states):
             return None if states[0] is None else [(s.codes, s.scales) for s in states]
@@ -165,9 +174,9 @@ class StepGroupPlan:
         plan = KindPlan(work, [e.grad.contiguous() for e in kind], pairs([e.exp_avg for e in kind]),
                         pairs([e.exp_avg_sq for e in kind]), pairs([e.max_exp_avg_sq for e in kind]),
                         exp_avg_format=first.exp_avg.format, exp_avg_sq_format=first.exp_avg_sq.format,
-                        block_size=first.exp_avg.block_size)
+                        block_size=first.exp_avg.block_size, weight_corrections=work_corrections)
         every = indices == list(range(len(entries)))
-        return _Kind(None if every else indices, first.step, work, copies, plan)
+        return _Kind(None if every else indices, first.step, work, work_corrections, copies, plan)
 
     def run(self, grads: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
             weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
@@ -187,23 +196,31 @@ class StepGroupPlan:
                         else stochastic_round_seed(int(step), (rounding_stream << KIND_STREAM_BITS) | index))
             else:
                 seed = 0
-            for param, work in kind.copies:
-                work.copy_(param)
+            for tensor, work in kind.copies:
+                work.copy_(tensor)
             kind.plan.run(kind_grads, adamw_lowbit.host_scalars(*hyper, step,
                                                                 decoupled_weight_decay=decoupled_weight_decay),
                           maximize=maximize, stochastic_round=stochastic_round, seed=seed)
             # Only the parameters are visible to autograd, so only their version counters move
             # (a buffer's copy back moves its parameter's).
             torch._C._increment_version(kind.work)
-            for param, work in kind.copies:
-                param.copy_(work)
+            for tensor, work in kind.copies:
+                tensor.copy_(work)
+
+
+def _contiguous_buffer(tensor: Tensor) -> Tensor:
+    """``tensor`` itself if contiguous, else a contiguous buffer of its shape to step."""
+    if tensor.is_contiguous():
+        return tensor
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
 class _Kind(NamedTuple):
     indices: list[int] | None  # the kind's entries; None: all of them, in order
     step: Tensor  # the kind's 0-d step count (every entry of a kind has the same)
     work: list[Tensor]  # the parameters, or their contiguous buffers
-    copies: list[tuple[Tensor, Tensor]]  # (non-contiguous parameter, its buffer)
+    corrections: list[Tensor] | None  # their master weight corrections (or buffers), or None
+    copies: list[tuple[Tensor, Tensor]]  # (non-contiguous parameter or correction, its buffer)
     plan: KindPlan
 
 
@@ -213,8 +230,10 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
     """Step quantized parameters of one param group, one launch per kind.
 
     ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
-    ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced).
-    Kinds: formats, block size, parameter and gradient dtype, device, step count, amsgrad.
+    ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced),
+    and optionally a bfloat16 parameter's master weight correction (``chunks.ParamStep``).
+    Kinds: formats, block size, parameter and gradient dtype, device, step count, amsgrad,
+    correction dtype.
     ``rounding_stream`` (bfloat16 stochastic rounding): when given, each kind's noise seed is
     ``stochastic_round_seed(its step count, stream)`` with ``stream`` made of
     ``rounding_stream`` and the kind's index: a pure function of what the optimizer saves, so a
@@ -244,11 +263,13 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
 
         seed = None if rounding_stream is None else stochastic_round_seed(
             int(float(kind.step)), (rounding_stream << KIND_STREAM_BITS) | index)
+        for tensor, work in kind.copies:
+            work.copy_(tensor)
         torch.ops.lowbit_optim.adamw_lowbit_step(
             kind.work, [e.grad.contiguous() for e in kind_entries], *inner([e.exp_avg for e in kind_entries]),
             *inner([e.exp_avg_sq for e in kind_entries]), *inner([e.max_exp_avg_sq for e in kind_entries]),
-            lr, beta1, beta2, eps, weight_decay, kind.step,
+            kind.corrections or [], lr, beta1, beta2, eps, weight_decay, kind.step,
             exp_avg_format=kind_entries[0].exp_avg.format_name,
             exp_avg_sq_format=kind_entries[0].exp_avg_sq.format_name, seed=seed, **options)
-        for param, work in kind.copies:
-            param.copy_(work)
+        for tensor, work in kind.copies:
+            tensor.copy_(work)

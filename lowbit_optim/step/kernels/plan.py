@@ -27,7 +27,7 @@ from lowbit_optim.step.kernels import adamw_lowbit
 from lowbit_optim.step.kernels import layout as layouts
 from lowbit_optim.step.kernels.tables import device_tables
 
-GRAD_ROW = 1  # the gradients' list among the kernel's eight (adamw_lowbit.tensor_lists_of)
+GRAD_ROW = 1  # the gradients' list among the kernel's (adamw_lowbit.tensor_lists_of)
 
 
 class _Launch:
@@ -37,11 +37,11 @@ class _Launch:
                  piece_param: torch.Tensor, piece_start: torch.Tensor, numels: list[int],
                  element_sizes: list[int], whole_gradients: bool):
         self.aligned = aligned
-        # The eight lists' first tensors; the gradient's is placed at every step (holding it
+        # The lists' first tensors; the gradient's is placed at every step (holding it
         # would keep a freed gradient's memory alive).
         self.bases = [bases[0], None, *bases[2:]]
         self.first_param, self.first_start = int(piece_param[0]), int(piece_start[0])
-        self.address = address  # int64 (8, pieces): every piece's tensors' addresses when planned
+        self.address = address  # int64 (lists, pieces): every piece's tensors' addresses when planned
         self.grad_address: torch.Tensor | None = None  # the gradients' the layout has
         self.piece_param = piece_param  # int64: which gradient of the kind each piece reads
         self.piece_start = piece_start  # int64: the element of that gradient the piece starts at
@@ -55,18 +55,21 @@ class _Launch:
 
 class KindPlan:
     """The launches for one kind of parameters (one format pair, block size, parameter and
-    gradient dtype, device, amsgrad), with their layouts.
+    gradient dtype, device, amsgrad, master weight correction dtype), with their layouts.
 
     ``params`` must be the tensors stepped at every ``run`` (contiguous), the moments the
-    ``(codes, scales)`` pairs of their states; ``grads`` are the current gradients, which only
+    ``(codes, scales)`` pairs of their states, ``weight_corrections`` their master weight
+    corrections (contiguous) or ``None``; ``grads`` are the current gradients, which only
     decide the first split into aligned and unaligned launches.
     """
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[tuple],
                  exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, *,
-                 exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int):
-        adamw_lowbit.check_launch_lists(params, grads, block_size)
-        self.states = (list(params), exp_avg, exp_avg_sq, max_exp_avg_sq)
+                 exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
+                 weight_corrections: list[torch.Tensor] | None = None):
+        adamw_lowbit.check_launch_lists(params, grads, block_size, weight_corrections)
+        self.master_weight_bits = adamw_lowbit.master_weight_bits(params, weight_corrections)
+        self.states = (list(params), exp_avg, exp_avg_sq, max_exp_avg_sq, weight_corrections)
         self.formats = (exp_avg_format, exp_avg_sq_format)
         self.block_size = block_size
         self.device = params[0].device
@@ -81,8 +84,9 @@ class KindPlan:
         self.options: dict[bool, dict] = {}
 
     def _split(self, grads: list[torch.Tensor]) -> list[_Launch]:
-        params, exp_avg, exp_avg_sq, max_exp_avg_sq = self.states
-        tensor_lists = adamw_lowbit.tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq)
+        params, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_corrections = self.states
+        tensor_lists = adamw_lowbit.tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq,
+                                                    weight_corrections)
         pieces, piece_param, piece_start = layouts.split_tails(tensor_lists, self.block_size)
         address = layouts.addresses_of(pieces)
         element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
@@ -149,7 +153,8 @@ class KindPlan:
         if key not in self.options:
             self.options[key] = adamw_lowbit.kernel_options(
                 *self.formats, block_size=self.block_size, rows=self.rows, amsgrad=self.amsgrad,
-                maximize=maximize, stochastic_round=stochastic_round, interpreted=self.device.type == "cpu")
+                maximize=maximize, stochastic_round=stochastic_round, interpreted=self.device.type == "cpu",
+                master_weight_bits=self.master_weight_bits)
         for launch in self.launches:
             first, start = launch.first_param, launch.first_start
             grad = grads[first] if start == 0 else grads[first].view(-1)[start:]
