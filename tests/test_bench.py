@@ -237,8 +237,32 @@ def test_release_gradients_run_holds_no_gradient_between_steps(tmp_path):
     assert released["final_train_loss"] == pytest.approx(held["final_train_loss"], rel=1e-2)
 
 
+def test_precision_rows_train_bfloat16_and_compare_with_their_float32_run(tmp_path):
+    """``--optimizers precision``'s bf16 rows fix their own parameter dtype (the run's stays
+    float32 for the reference rows), keep the state their write needs (an int16 correction is
+    2 B/param more), and report their gap to the same optimizer on float32 parameters."""
+    assert {"torch_adamw", "lowbit_8bit_mw24", "lowbit_4bit_bf16_sr"} <= set(harness.PRECISION)
+    argv = ["--quick", "--device", "cpu", "--steps", "3", "--lr", "1e-3", "--out", str(tmp_path),
+            "--optimizers", "lowbit_4bit", "lowbit_4bit_bf16", "lowbit_4bit_mw32"]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    runs = {run["optimizer"]: run for run in result["config"]["runs"]}
+    assert result["config"]["lr"] == 1e-3
+    dtypes = [runs[name]["param_dtype"] for name in ("lowbit_4bit", "lowbit_4bit_bf16", "lowbit_4bit_mw32")]
+    assert dtypes == ["float32", "bfloat16", "bfloat16"]
+    extra = runs["lowbit_4bit_mw32"]["state_bytes"] - runs["lowbit_4bit_bf16"]["state_bytes"]
+    assert extra == 2 * runs["lowbit_4bit_bf16"]["params"]
+    rows = {row["optimizer"]: row for row in result["rows"]}
+    assert "val_gap_vs_reference_pct" not in rows["lowbit_4bit"]
+    for name in ("lowbit_4bit_bf16", "lowbit_4bit_mw32"):
+        expected = 100 * (runs[name]["final_val_loss"] / runs["lowbit_4bit"]["final_val_loss"] - 1)
+        assert rows[name]["val_gap_vs_reference_pct"] == pytest.approx(expected)
+    assert "gap vs its reference" in (tmp_path / "table.md").read_text()
+
+
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--batch-size", "0"], ["--grad-clip", "-1"],
-                                 ["--grad-clip", "nan"], ["--release-gradients"]])
+                                 ["--grad-clip", "nan"], ["--release-gradients"], ["--lr", "0"],
+                                 ["--lr", "nan"]])
 def test_bad_arguments_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
         main(["--quick", *bad])
