@@ -7,7 +7,7 @@ factored, ``is_factored``); all behaviour lives here. Parameters with at least
 ``min_quant_size`` elements get quantized moments (``QuantizedState``); smaller ones (biases,
 norms) keep float32 moments (float64 for float64 parameters), which cost little and follow
 the rule's exact arithmetic (``torch.optim.AdamW``'s, for AdamW) to within rounding.
-With ``master_weight_bits`` (24 or 32), each bfloat16 parameter also keeps an integer
+With ``master_weight_bits`` (24 or 32), each bfloat16 or float16 parameter also keeps an integer
 correction that makes it a 24- or 32-bit master weight (``master_weights``).
 ``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
 the optimizer owns (see ``hyperparams``).
@@ -25,7 +25,6 @@ from lowbit_optim.step.hyperparams import GroupScalars, StepOptions
 from lowbit_optim.step.master_weights import (
     CORRECTION_KEY,
     check_master_weight_options,
-    check_master_weight_param,
     needs_correction,
     zeros_correction,
 )
@@ -136,7 +135,6 @@ class LowBitOptimizer(Optimizer):
             tensor = _tensor_of(param)
             if isinstance(tensor, torch.Tensor):
                 self._check_param(tensor)
-                check_master_weight_param(tensor, candidate["master_weight_bits"], type(self).__name__)
         if getattr(self, "backend", None) is not None:
             self._check_backend_options(candidate, self.backend)
         if not isinstance(params, set):
@@ -338,7 +336,6 @@ class LowBitOptimizer(Optimizer):
         local shards."""
         for param in group["params"]:
             if param.grad is not None:
-                check_master_weight_param(param, group["master_weight_bits"], type(self).__name__)
                 state = self.state[param]
                 if not state:
                     self._init_state(param, group, state)
