@@ -260,6 +260,22 @@ def test_precision_rows_train_bfloat16_and_compare_with_their_float32_run(tmp_pa
     assert "gap vs its reference" in (tmp_path / "table.md").read_text()
 
 
+def test_activation_checkpointing_recomputes_the_same_training(tmp_path):
+    """``--activation-checkpointing`` (what makes the gradients, not the activations, set the
+    peak: docs/benchmarks.md) recomputes each block in backward with the same operations, so
+    the run learns exactly as without it, and its table says it was on."""
+    runs = {}
+    for checkpointing in (False, True):
+        out = tmp_path / str(checkpointing)
+        argv = ["--quick", "--device", "cpu", "--steps", "3", "--optimizers", "lowbit_4bit",
+                "--out", str(out), *(["--activation-checkpointing"] if checkpointing else [])]
+        assert main(argv) == 0
+        runs[checkpointing] = json.loads((out / "results.json").read_text())["config"]
+    assert [runs[on]["model"]["activation_checkpointing"] for on in (False, True)] == [False, True]
+    assert runs[True]["runs"][0]["curve"] == runs[False]["runs"][0]["curve"]
+    assert "activation checkpointing" in (tmp_path / "True" / "table.md").read_text()
+
+
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--batch-size", "0"], ["--grad-clip", "-1"],
                                  ["--grad-clip", "nan"], ["--release-gradients"], ["--lr", "0"],
                                  ["--lr", "nan"]])

@@ -7,6 +7,7 @@ schedule (``LambdaLR``). See ``docs/benchmarks.md`` for what every column measur
 """
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
 import sys
@@ -81,6 +82,9 @@ def parse_args(argv):
     parser.add_argument("--release-gradients", action="store_true",
                         help="step each parameter during backward and free its gradient "
                              "(lowbit_optim.release_gradients; our optimizers only, with --grad-clip 0)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward (torch.utils.checkpoint), "
+                             "so the gradients, not the activations, set the peak")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"),
                         help="where results.json, table.md and the PNGs go (default: bench_out/)")
     parser.add_argument("--quick", action="store_true",
@@ -189,6 +193,8 @@ def main(argv=None) -> int:
         preset["batch_size"] = args.batch_size
     if args.lr is not None:
         preset["lr"] = args.lr
+    if args.activation_checkpointing:
+        preset["model"] = dataclasses.replace(preset["model"], activation_checkpointing=True)
     steps = preset["steps"]
     preset["eval_every"] = min(preset["eval_every"], steps)
     seeds = args.seeds or [args.seed]
@@ -223,7 +229,9 @@ def main(argv=None) -> int:
         table = harness.markdown_table(rows, table_columns(
             len(seeds) > 1, any("val_gap_vs_reference_pct" in row for row in rows)))
         run_line = (f"{args.model_size} preset: {rows[0]['params'] / 1e6:.2f}M params, {steps} "
-                    f"steps of {preset['batch_size']} x {preset['model'].context} bytes, seeds {seeds}")
+                    f"steps of {preset['batch_size']} x {preset['model'].context} bytes, seeds {seeds}"
+                    f"{', activation checkpointing' if args.activation_checkpointing else ''}"
+                    f"{', gradients released' if args.release_gradients else ''}")
         heading = f"{run_line}; {machine}"
         (args.out / "table.md").write_text(f"{heading}\n\n{table}\n")
         return heading, run_line, table
