@@ -82,7 +82,7 @@ def master_cases(kind, bits, *, amsgrad, device="cpu"):
         _, states = make_case(torch.Size(shape).numel(), kind, torch.float32, amsgrad)
         master = torch.randn(shape)
         master.view(-1)[:len(SPECIAL_MASTERS)] = torch.tensor(SPECIAL_MASTERS)
-        param, correction = split_master(master, correction_dtype(bits))
+        param, correction = split_master(master, torch.bfloat16, correction_dtype(bits))
         cases.append((param.to(device), correction.to(device), [s.to(device) for s in states]))
     return cases
 
@@ -94,7 +94,7 @@ def same_bits(a, b):
 
 def assert_canonical(param, correction, name):
     """The pair is what ``split_master`` writes for its own master weight."""
-    again, again_correction = split_master(read_master(param, correction), correction.dtype)
+    again, again_correction = split_master(read_master(param, correction), param.dtype, correction.dtype)
     assert same_bits(param, again) and torch.equal(correction, again_correction), f"{name}: not canonical"
 
 
@@ -114,7 +114,7 @@ def assert_split_of_float32_step(kind, bits, device="cpu"):
                     corrections=[c for _, c, _ in cases], **flags)
         for index, ((param, correction, states), (master, float_states)) in enumerate(zip(cases, floats)):
             name = f"param {index}, step {step}"
-            expected_param, expected_correction = split_master(master, correction.dtype)
+            expected_param, expected_correction = split_master(master, param.dtype, correction.dtype)
             assert same_bits(param, expected_param), f"{name}: parameter"
             assert torch.equal(correction, expected_correction), f"{name}: correction"
             if bits == 32:  # lossless: the float32 result itself, NaN payloads aside

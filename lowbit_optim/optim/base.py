@@ -7,7 +7,7 @@ factored, ``is_factored``); all behaviour lives here. Parameters with at least
 ``min_quant_size`` elements get quantized moments (``QuantizedState``); smaller ones (biases,
 norms) keep float32 moments (float64 for float64 parameters), which cost little and follow
 the rule's exact arithmetic (``torch.optim.AdamW``'s, for AdamW) to within rounding.
-With ``master_weight_bits`` (24 or 32), each bfloat16 parameter also keeps an integer
+With ``master_weight_bits`` (24 or 32), each bfloat16 or float16 parameter also keeps an integer
 correction that makes it a 24- or 32-bit master weight (``master_weights``).
 ``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
 the optimizer owns (see ``hyperparams``).
@@ -17,7 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim.checkpoint import load as checkpoint
-from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.formats.catalog import QuantFormat, check_block_size
 from lowbit_optim.state import sharding
 from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
@@ -25,16 +25,12 @@ from lowbit_optim.step.hyperparams import GroupScalars, StepOptions
 from lowbit_optim.step.master_weights import (
     CORRECTION_KEY,
     check_master_weight_options,
-    check_master_weight_param,
     needs_correction,
     zeros_correction,
 )
 from lowbit_optim.step.math import compute_dtype
 from lowbit_optim.step.plan import GroupPlan
 from lowbit_optim.step.rules.base import UpdateRule
-
-MIN_BLOCK_SIZE = 16
-MAX_BLOCK_SIZE = 4096
 
 
 def capturing_cuda_graph() -> bool:
@@ -131,7 +127,6 @@ class LowBitOptimizer(Optimizer):
             tensor = _tensor_of(param)
             if isinstance(tensor, torch.Tensor):
                 self._check_param(tensor)
-                check_master_weight_param(tensor, candidate["master_weight_bits"], type(self).__name__)
         if not isinstance(params, set):
             self._refuse_duplicates(params)
         super().add_param_group(param_group)
@@ -173,17 +168,7 @@ class LowBitOptimizer(Optimizer):
         self.rule.check_hyperparameters(group)
         if not isinstance(group["maximize"], bool):
             raise ValueError(f"Invalid maximize: {group['maximize']!r} (a bool is needed)")
-        block_size = group["block_size"]
-        valid_size = (
-            isinstance(block_size, int) and not isinstance(block_size, bool)
-            and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
-            and block_size & (block_size - 1) == 0
-        )
-        if not valid_size:
-            raise ValueError(
-                f"Invalid block_size: {block_size!r} (a power of two from {MIN_BLOCK_SIZE} "
-                f"to {MAX_BLOCK_SIZE} is needed)"
-            )
+        check_block_size(group["block_size"])
         min_quant_size = group["min_quant_size"]
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")
@@ -331,7 +316,6 @@ class LowBitOptimizer(Optimizer):
         local shards."""
         for param in group["params"]:
             if param.grad is not None:
-                check_master_weight_param(param, group["master_weight_bits"], type(self).__name__)
                 state = self.state[param]
                 if not state:
                     self._init_state(param, group, state)

@@ -90,7 +90,7 @@ class FloatStateStep:
     one; moments laid out as consecutive views of one tensor (``step.plan`` does that) are
     updated in place, others gathered and written back the same way (``_Flat``).
     ``moments``: one list per moment (the rule's order), of ``compute_dtype`` tensors (float32;
-    float64 for float64 parameters). ``weight_corrections``: the bfloat16 parameters' master
+    float64 for float64 parameters). ``weight_corrections``: the bfloat16 or float16 parameters' master
     weight corrections (``master_weights``), or ``None`` without master weights.
     """
 
@@ -117,7 +117,8 @@ class FloatStateStep:
         for flat, tensors, values in zip(self.moment_flats, self.moments, new_moments):
             flat.scatter(tensors, values)
         if self.weight_corrections is not None:
-            rounded, remainder = split_master(new_param, self.weight_corrections[0].dtype)
+            rounded, remainder = split_master(new_param, self.params[0].dtype,
+                                              self.weight_corrections[0].dtype)
             self.param_flat.scatter(self.params, rounded)
             self.weight_correction_flat.scatter(self.weight_corrections, remainder)
             return

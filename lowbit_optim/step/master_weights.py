@@ -1,11 +1,13 @@
-"""Master weights for bfloat16 parameters: the parameter plus an integer correction.
+"""Master weights for bfloat16 and float16 parameters: the parameter plus an integer correction.
 
-With ``master_weight_bits`` set, each bfloat16 parameter keeps a correction in its optimizer
-state (``CORRECTION_KEY``) so that parameter and correction together hold a float32 master
-weight, and the step updates that master weight instead of the rounded parameter: updates
-smaller than half a bfloat16 ulp (7 mantissa bits) then accumulate instead of vanishing.
+With ``master_weight_bits`` set, each bfloat16 or float16 parameter keeps a correction in its
+optimizer state (``CORRECTION_KEY``: int8 for 24 bits, int16 for 32) so that parameter and
+correction together hold a float32 master weight, and the step updates that master weight
+instead of the rounded parameter: updates smaller than half an ulp of the parameter (7 or 10
+stored mantissa bits) then accumulate instead of vanishing. Each dtype has its own encoding,
+chosen by the parameter's dtype.
 
-Everything works on bit patterns. ``m`` is the float32 master weight's bits as an int32; the
+**bfloat16: a bit split.** ``m`` is the float32 master weight's bits as an int32; the
 parameter is its upper 16 bits rounded half up in bit space, ``p = (m + 2**15) >> 16``, so
 the remainder ``m - p * 2**16`` lies in ``[-2**15, 2**15 - 1]``:
 
@@ -21,8 +23,27 @@ down leaves a remainder of ``+2**15``, one past int16. The two differ only when 
 bits are exactly ``0x8000``; the parameter is then one bfloat16 ulp above what
 ``master.to(torch.bfloat16)`` gives, and the master weight is exact either way.
 
-float16 parameters are refused: a float16 value is not the upper half of a float32, so this
-bit split does not apply (the residual ``m - float(p)`` is exact but needs another encoding).
+**float16: a scaled residual.** A float16 value is not the upper half of a float32, so the
+parameter is ``p = m.to(torch.float16)`` (round to nearest even, as every backend's cast
+rounds) and the correction counts the residual ``m - p`` in units of ``u``. With ``E`` the
+exponent of ``p`` (its exponent field minus 15; -14 for zero and subnormals, which share the
+smallest normal binade's spacing), ``u = 2**(E - 24)`` for 32 bits and ``2**(E - 17)`` for 24:
+
+* the correction is ``round_half_even((m - p) / u)``: the subtraction is exact (``p`` is within
+  half a float16 ulp of ``m``) and so is the division by a power of two; the master weight
+  read back is ``p + correction * u``, also exact;
+* ``|m - p| <= 2**(E - 11)`` (half a float16 ulp; ``2**(E - 12)`` when ``m`` rounded up into
+  ``p``'s binade from the one below), so ``|correction| <= 2**13`` (int16) or ``64`` (int8);
+* 32 bits: every float32 ``m`` with ``|m| >= 2**-15`` (and 0) is a multiple of ``u`` (float32
+  spacing in ``p``'s binade is ``2**(E - 23)``, one binade below ``2**(E - 24)``), so the master
+  weight is ``m`` bit for bit. Below ``2**-15`` it is ``m`` rounded to a multiple of ``2**-38``;
+* 24 bits: the master weight is ``m`` rounded to a multiple of ``2**(E - 17)``, 18 significant
+  bits (float16's 11 and the int8's 7), within ``2**(E - 18)`` of ``m``: a relative ``2**-18``
+  of ``p``'s binade, ``2**-17`` of ``|m|`` at most;
+* ``|m|`` past float16's range (65520 and above) makes ``p`` infinite and the correction 0, as
+  torch's own AdamW overflows a float16 parameter; a NaN makes ``p`` one quiet NaN and the
+  correction 0.
+
 float32 and float64 parameters are left as they are, with no correction.
 """
 
@@ -31,8 +52,12 @@ import torch
 from lowbit_optim.state import sharding
 
 MASTER_WEIGHT_BITS = (24, 32)
-# The optimizer state key of a bfloat16 parameter's correction.
+# The optimizer state key of a bfloat16 or float16 parameter's correction.
 CORRECTION_KEY = "master_weight_correction"
+# The parameter dtypes that keep a correction (float32 and float64 are their own masters).
+CORRECTED_DTYPES = (torch.bfloat16, torch.float16)
+
+# --- bfloat16 -------------------------------------------------------------------------------
 # A bfloat16 value is the upper half of a float32's bits: the parameter is bits >> 16.
 BFLOAT16_SHIFT = 16
 # Added before the shift to round half up: half of the 2**16 the shift drops.
@@ -45,6 +70,23 @@ MASTER_24_ROUNDING = 1 << (MASTER_24_DROPPED_BITS - 1)
 # when the rounding is added, and a NaN's payload carries no information here.
 CANONICAL_NAN_BITS = 0x7FC00000
 
+# --- float16 --------------------------------------------------------------------------------
+# float16's stored mantissa bits: its exponent field starts at bit 10.
+FLOAT16_MANTISSA_BITS = 10
+# float16's exponent field, 5 bits, once shifted down.
+FLOAT16_EXPONENT_FIELD = 0x1F
+# The exponent field of the smallest normal binade: zero and subnormals (field 0) are spaced
+# like it (2**-24 apart), so they take its unit.
+FLOAT16_MIN_NORMAL_FIELD = 1
+# float32's stored mantissa bits: a power of two's exponent field starts at bit 23.
+FLOAT32_MANTISSA_BITS = 23
+# The float32 exponent field of the correction's unit is float16's field plus this: the unit
+# is 2**(E - 24) (int16) or 2**(E - 17) (int8) with E = field - 15, and float32's bias is 127.
+# Both stay normal float32 numbers for every field (2**-38 to 2**-1).
+FLOAT16_UNIT_FIELD_OFFSET = {torch.int16: 127 - 15 - 24, torch.int8: 127 - 15 - 17}
+# One quiet NaN replaces every NaN, so that every backend's cast writes the same parameter bits.
+CANONICAL_FLOAT16_NAN_BITS = 0x7E00
+
 
 def correction_dtype(bits: int) -> torch.dtype:
     """The correction's dtype for ``master_weight_bits``: int8 for 24, int16 for 32."""
@@ -52,8 +94,8 @@ def correction_dtype(bits: int) -> torch.dtype:
 
 
 def needs_correction(param: torch.Tensor, bits: int | None) -> bool:
-    """Whether ``param`` keeps a correction: a bfloat16 parameter with ``bits`` set."""
-    return bits is not None and param.dtype == torch.bfloat16
+    """Whether ``param`` keeps a correction: a bfloat16 or float16 parameter with ``bits`` set."""
+    return bits is not None and param.dtype in CORRECTED_DTYPES
 
 
 def check_master_weight_options(bits, stochastic_round) -> None:
@@ -69,16 +111,6 @@ def check_master_weight_options(bits, stochastic_round) -> None:
         )
 
 
-def check_master_weight_param(param: torch.Tensor, bits, owner: str) -> None:
-    """Refuse a float16 parameter in a group with master weights (see the module docstring)."""
-    if bits is not None and param.dtype == torch.float16:
-        raise ValueError(
-            f"{owner}: master_weight_bits={bits} supports bfloat16 parameters only (got a "
-            f"float16 one of shape {tuple(param.shape)}); train in bfloat16, or keep float16 "
-            "parameters without master weights"
-        )
-
-
 def zeros_correction(param: torch.Tensor, bits: int):
     """An all-zero correction for ``param`` (a DTensor's like its shard): the master weight
     starts as the parameter itself."""
@@ -87,7 +119,10 @@ def zeros_correction(param: torch.Tensor, bits: int):
 
 
 def read_master(param: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
-    """The float32 master weight of bfloat16 ``param`` and its correction (int8 or int16)."""
+    """The float32 master weight of bfloat16 or float16 ``param`` and its correction (int8 or
+    int16)."""
+    if param.dtype == torch.float16:
+        return _read_float16_master(param, correction)
     upper = param.view(torch.int16).to(torch.int32) * (1 << BFLOAT16_SHIFT)
     remainder = correction.to(torch.int32)
     if correction.dtype == torch.int8:
@@ -95,8 +130,11 @@ def read_master(param: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
     return (upper + remainder).view(torch.float32)
 
 
-def split_master(master: torch.Tensor, correction_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``master`` -> (bfloat16 parameter, correction of ``correction_dtype``)."""
+def split_master(master: torch.Tensor, param_dtype: torch.dtype,
+                 correction_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``master`` -> (parameter of ``param_dtype``, correction of ``correction_dtype``)."""
+    if param_dtype == torch.float16:
+        return _split_float16_master(master, correction_dtype)
     bits = torch.where(torch.isnan(master), CANONICAL_NAN_BITS, master.view(torch.int32))
     if correction_dtype == torch.int8:
         bits = (bits + MASTER_24_ROUNDING) & -(1 << MASTER_24_DROPPED_BITS)
@@ -108,10 +146,38 @@ def split_master(master: torch.Tensor, correction_dtype: torch.dtype) -> tuple[t
 
 
 def write_master(param: torch.Tensor, correction: torch.Tensor, master: torch.Tensor) -> None:
-    """Store float32 ``master`` into bfloat16 ``param`` and its ``correction``, in place."""
-    rounded, remainder = split_master(master, correction.dtype)
+    """Store float32 ``master`` into ``param`` and its ``correction``, in place."""
+    rounded, remainder = split_master(master, param.dtype, correction.dtype)
     param.copy_(rounded)
     correction.copy_(remainder)
+
+
+def float16_unit(param_bits: torch.Tensor, correction_dtype: torch.dtype) -> torch.Tensor:
+    """The float32 unit of a float16 parameter's correction, from the parameter's bits (int16):
+    ``2**(E - 24)`` for an int16 correction, ``2**(E - 17)`` for an int8 one, built as bits."""
+    field = (param_bits.to(torch.int32) >> FLOAT16_MANTISSA_BITS) & FLOAT16_EXPONENT_FIELD
+    unit_field = field.clamp(min=FLOAT16_MIN_NORMAL_FIELD) + FLOAT16_UNIT_FIELD_OFFSET[correction_dtype]
+    return (unit_field << FLOAT32_MANTISSA_BITS).view(torch.float32)
+
+
+def _read_float16_master(param: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
+    unit = float16_unit(param.view(torch.int16), correction.dtype)
+    # The residual is subtracted as its negation (negated as an integer, so a zero stays +0.0):
+    # x - 0.0 is x for every x, where x + 0.0 would turn a -0.0 parameter into +0.0.
+    negated = -correction.to(torch.int32)
+    return param.to(torch.float32) - negated.to(torch.float32) * unit
+
+
+def _split_float16_master(master: torch.Tensor, correction_dtype: torch.dtype):
+    rounded = master.to(torch.float16).view(torch.int16)
+    param_bits = torch.where(torch.isnan(master), CANONICAL_FLOAT16_NAN_BITS, rounded)
+    param = param_bits.view(torch.float16)
+    base = param.to(torch.float32)
+    residual = (master - base) / float16_unit(param_bits, correction_dtype)
+    # Past float16's range the parameter is infinite and, like a NaN one, keeps no correction.
+    # A finite one's residual is at most half a float16 ulp: within the correction's range.
+    steps = torch.where(torch.isfinite(base), residual.round(), 0.0)
+    return param, steps.to(correction_dtype)
 
 
 def check_loaded_correction(label: str, param: torch.Tensor, bits, value) -> None:
