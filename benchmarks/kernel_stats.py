@@ -252,8 +252,10 @@ COLUMNS = [
 def variants(defaults_only: bool, kinds):
     for kind, dtype_name, amsgrad, stochastic_round, master_weight_bits, aligned in itertools.product(
             kinds, DTYPES, (False, True), (False, True), (None, 24, 32), (True, False)):
-        if (stochastic_round or master_weight_bits) and dtype_name != "bf16":
-            continue  # stochastic rounding and master weights apply to bfloat16 parameters only
+        if stochastic_round and dtype_name != "bf16":
+            continue  # stochastic rounding applies to bfloat16 parameters only
+        if master_weight_bits and dtype_name == "fp32":
+            continue  # float32 parameters are their own master weights
         if stochastic_round and master_weight_bits:
             continue  # refused: the master weight keeps what rounding loses
         if defaults_only and (amsgrad or stochastic_round or master_weight_bits or not aligned):

@@ -1,6 +1,6 @@
-"""The Triton kernel with master weights: a bfloat16 parameter and its int8 (24-bit) or int16
-(32-bit) correction read as the float32 master weight, updated and split again inside the
-kernel, under the interpreter on CPU (a CUDA-marked test repeats the exact check on a GPU).
+"""The Triton kernel with master weights: a bfloat16 or float16 parameter and its int8 (24-bit)
+or int16 (32-bit) correction read as the float32 master weight, updated and split again inside
+the kernel, under the interpreter on CPU (a CUDA-marked test repeats the exact check on a GPU).
 
 Exact, and tested as such:
 
@@ -8,12 +8,17 @@ Exact, and tested as such:
   weight, moments and gradient, the float32-parameter launch's new parameter split by
   ``master_weights.split_master`` is bit for bit the master weight launch's (parameter,
   correction), and the moments' codes and scales are identical. With 32 bits the split is
-  lossless, so a bfloat16 model with 32-bit master weights follows the float32 model through
-  the kernel bit for bit in its master weights, as it does through the compiled step
-  (tests/test_master_weights.py); with 24 bits each step rounds the master weight (half up in
-  bit space, 2**-16 relative).
-* Every pair the kernel writes is a canonical split (``split_master(read_master(pair))`` is
-  the pair itself), and lr = 0 without weight decay leaves it bit for bit.
+  lossless (bfloat16: always; float16: for |m| >= 2**-15 inside float16's range), so a
+  bfloat16 model with 32-bit master weights follows the float32 model through the kernel bit
+  for bit in its master weights, as it does through the compiled step
+  (tests/test_master_weights.py); with 24 bits each step rounds the master weight.
+* A master weight read from a pair the kernel wrote splits back to that pair
+  (``split_master(read_master(pair))`` is the pair), and lr = 0 without weight decay leaves
+  the pair bit for bit; float16 at 24 bits excepted, where only the master weight is kept:
+  a correction of +-64 units is half a float16 ulp, so that master weight is a float16
+  rounding tie, which splits to the even neighbour with the opposite correction (0.4% of
+  random masters, measured; the same master weight either way, as the reference's split
+  gives it).
 
 Bounded: the kernel against the compiled step. The two are not bit-identical even without
 master weights (tests/kernel_helpers.py: a host reciprocal of the bias correction and FMAs
@@ -62,27 +67,31 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in div
 SHAPES = [(100,), (4097,), (123, 123)]
 # Master weights the split must carry through a step: NaN (one canonical quiet NaN), +-inf,
 # zero, subnormals, the largest floats (which round to a bfloat16 inf, the correction keeping
-# the difference) and ties of the bfloat16 rounding (low 16 bits 0x8000: half up, or the
-# correction would not fit). Not -0.0: a step of size 0 turns it into +0.0 when the update is
-# negative (IEEE: -0.0 + +0.0), in every backend and in torch's AdamW.
+# the difference), ties of the bfloat16 rounding (low 16 bits 0x8000: half up, or the
+# correction would not fit) and of the float16 one, float16's largest value and its first
+# overflow, and a float16 subnormal. Not -0.0: a step of size 0 turns it into +0.0 when the
+# update is negative (IEEE: -0.0 + +0.0), in every backend and in torch's AdamW.
 SPECIAL_MASTERS = [float("nan"), float("inf"), -float("inf"), 0.0, 1e-40, -1e-40, 3.3895e38, -3.3895e38,
-                   1 + 2**-8, -(1 + 2**-8)]
+                   1 + 2**-8, -(1 + 2**-8), 1 + 2**-11, -(1 + 2**-11), 65519.0, 65520.0, 2**-20]
 STEPS = 6
 CHANGE_RMSE_BOUND = 2e-3
-# One step of a 24-bit master weight's 16-bit mantissa, relative.
-MASTER_24_STEP = 2.0**-15
+# One step of a 24-bit master weight, relative: bfloat16's 16-bit mantissa; float16's unit
+# 2**(E - 17) of a master of magnitude 2**E or (rounded up into it) a hair below.
+MASTER_24_STEP = {torch.bfloat16: 2.0**-15, torch.float16: 2.0**-16}
+# float16's 32-bit master weights are exact from here up to its overflow (master_weights).
+FLOAT16_EXACT_FROM, FLOAT16_OVERFLOW = 2.0**-15, 65520.0
 
 
-def master_cases(kind, bits, *, amsgrad, device="cpu"):
+def master_cases(kind, bits, *, amsgrad, dtype=torch.bfloat16, device="cpu"):
     """``[(param, correction, states), ...]`` for ``SHAPES``: random float32 master weights
-    (with bits below bfloat16's, so corrections are not zero; ``SPECIAL_MASTERS`` first) split
-    as the optimizer stores them, and random moments."""
+    (with bits below the parameter dtype's, so corrections are not zero; ``SPECIAL_MASTERS``
+    first) split as the optimizer stores them, and random moments."""
     cases = []
     for shape in SHAPES:
         _, states = make_case(torch.Size(shape).numel(), kind, torch.float32, amsgrad)
         master = torch.randn(shape)
         master.view(-1)[:len(SPECIAL_MASTERS)] = torch.tensor(SPECIAL_MASTERS)
-        param, correction = split_master(master, torch.bfloat16, correction_dtype(bits))
+        param, correction = split_master(master, dtype, correction_dtype(bits))
         cases.append((param.to(device), correction.to(device), [s.to(device) for s in states]))
     return cases
 
@@ -92,22 +101,33 @@ def same_bits(a, b):
                        b.view(torch.int16 if b.element_size() == 2 else torch.int32))
 
 
-def assert_canonical(param, correction, name):
-    """The pair is what ``split_master`` writes for its own master weight."""
-    again, again_correction = split_master(read_master(param, correction), param.dtype, correction.dtype)
-    assert same_bits(param, again) and torch.equal(correction, again_correction), f"{name}: not canonical"
+def same_master(a, b):
+    """float32 master weights equal bit for bit, NaN payloads aside."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and same_bits(a[~nan], b[~nan])
 
 
-def assert_split_of_float32_step(kind, bits, device="cpu"):
+def assert_stable(param, correction, name):
+    """The pair's master weight splits back to the pair (float16 at 24 bits: to the same
+    master weight; module docstring)."""
+    master = read_master(param, correction)
+    again, again_correction = split_master(master, param.dtype, correction.dtype)
+    if param.dtype == torch.float16 and correction.dtype == torch.int8:
+        assert same_master(read_master(again, again_correction), master), f"{name}: master weight moved"
+    else:
+        assert same_bits(param, again) and torch.equal(correction, again_correction), f"{name}: pair moved"
+
+
+def assert_split_of_float32_step(kind, bits, dtype, device="cpu"):
     """Three steps (a schedule changing lr, betas and weight decay; amsgrad; L2 weight decay
     on the last step; NaN and inf gradient elements) of the master weight launch and of the
     float32 launch from the same master weights: identical moments, and the pair is the
     float32 result split."""
-    cases = master_cases(kind, bits, amsgrad=True, device=device)
+    cases = master_cases(kind, bits, amsgrad=True, dtype=dtype, device=device)
     for step, (lr, betas, weight_decay) in enumerate(SCHEDULE, start=1):
         hyper = hyper_tensors(lr, betas, weight_decay, step)
         flags = dict(decoupled_weight_decay=step != len(SCHEDULE))
-        grads = [gradient(p.numel(), torch.bfloat16).view(p.shape).to(device) for p, _, _ in cases]
+        grads = [gradient(p.numel(), dtype).view(p.shape).to(device) for p, _, _ in cases]
         floats = [(read_master(p, c), [s.clone() for s in states]) for p, c, states in cases]
         kernel_step([(m, g, s) for (m, s), g in zip(floats, grads)], hyper, **flags)
         kernel_step([(p, g, s) for (p, _, s), g in zip(cases, grads)], hyper,
@@ -118,52 +138,68 @@ def assert_split_of_float32_step(kind, bits, device="cpu"):
             assert same_bits(param, expected_param), f"{name}: parameter"
             assert torch.equal(correction, expected_correction), f"{name}: correction"
             if bits == 32:  # lossless: the float32 result itself, NaN payloads aside
-                stored, nan = read_master(param, correction), master.isnan()
-                assert torch.equal(stored.isnan(), nan) and same_bits(stored[~nan], master[~nan]), name
+                lossless = torch.ones_like(master, dtype=torch.bool)
+                if dtype == torch.float16:
+                    magnitude = master.abs()
+                    exact = (magnitude >= FLOAT16_EXACT_FROM) & (magnitude < FLOAT16_OVERFLOW)
+                    lossless = exact | (master == 0)
+                assert same_master(read_master(param, correction)[lossless], master[lossless]), name
             for state, float_state in zip(states, float_states):
                 assert torch.equal(state.codes, float_state.codes), f"{name}: codes"
                 assert torch.equal(state.scales, float_state.scales), f"{name}: scales"
 
 
+DTYPES = [torch.bfloat16, torch.float16]
+
+
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_master_weight_step_is_the_float32_step_split(kind, bits):
-    assert_split_of_float32_step(kind, bits)
+def test_master_weight_step_is_the_float32_step_split(kind, bits, dtype):
+    assert_split_of_float32_step(kind, bits, dtype)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_cuda_master_weight_step_is_the_float32_step_split(kind, bits):
-    """The same on a GPU: the compiled kernel's integer split, bfloat16 bit casts and the
-    approximate division and square root, which both launches share."""
-    assert_split_of_float32_step(kind, bits, device="cuda")
+def test_cuda_master_weight_step_is_the_float32_step_split(kind, bits, dtype):
+    """The same on a GPU: the compiled kernel's integer split, bit casts, float16 rounding and
+    the approximate division and square root, which both launches share."""
+    assert_split_of_float32_step(kind, bits, dtype, device="cuda")
 
 
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
-def test_zero_learning_rate_leaves_parameter_and_correction_bit_for_bit(bits):
-    cases = master_cases("8bit", bits, amsgrad=False)
+def test_zero_learning_rate_leaves_the_master_weight_bit_for_bit(bits, dtype):
+    """And the pair, float16 at 24 bits excepted (module docstring)."""
+    cases = master_cases("8bit", bits, amsgrad=False, dtype=dtype)
     before = [(param.clone(), correction.clone()) for param, correction, _ in cases]
-    grads = [gradient(p.numel(), torch.bfloat16).view(p.shape) for p, _, _ in cases]
+    grads = [gradient(p.numel(), dtype).view(p.shape) for p, _, _ in cases]
     kernel_step([(p, g, s) for (p, _, s), g in zip(cases, grads)], hyper_tensors(0.0, (0.9, 0.999), 0.0, 1),
                 corrections=[c for _, c, _ in cases])
-    for (param, correction, _), (param_before, correction_before) in zip(cases, before):
-        assert same_bits(param, param_before) and torch.equal(correction, correction_before)
+    for index, ((param, correction, _), (param_before, correction_before)) in enumerate(zip(cases, before)):
+        assert same_master(read_master(param, correction), read_master(param_before, correction_before))
+        assert_stable(param_before, correction_before, f"param {index}")
+        assert_stable(param, correction, f"param {index}")
+        if not (dtype == torch.float16 and bits == 24):
+            assert same_bits(param, param_before) and torch.equal(correction, correction_before)
 
 
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_matches_the_reference_step_within_the_float32_bounds(kind, bits):
+def test_matches_the_reference_step_within_the_float32_bounds(kind, bits, dtype):
     """Each step from the reference's state (maximize; the schedule's weight decay): the
     eager ``quantized_adamw_step``, the oracle of both the kernel and the compiled step."""
-    cases = master_cases(kind, bits, amsgrad=False)
+    cases = master_cases(kind, bits, amsgrad=False, dtype=dtype)
     reference = [(p.clone(), c.clone(), [s.clone() for s in states]) for p, c, states in cases]
     for step, (lr, betas, weight_decay) in enumerate(SCHEDULE, start=1):
         hyper = hyper_tensors(lr, betas, weight_decay, step)
-        grads = [gradient(p.numel(), torch.bfloat16).view(p.shape) for p, _, _ in cases]
+        grads = [gradient(p.numel(), dtype).view(p.shape) for p, _, _ in cases]
         kernel_step([(p, g, s) for (p, _, s), g in zip(cases, grads)], hyper, maximize=True,
                     corrections=[c for _, c, _ in cases])
         for index, ((param, correction, states), (ref_param, ref_correction, ref_states), grad) in enumerate(
@@ -173,10 +209,10 @@ def test_matches_the_reference_step_within_the_float32_bounds(kind, bits):
             reference_step(ref_param, grad, ref_states, hyper, maximize=True, correction=ref_correction)
             expected = read_master(ref_param, ref_correction)
             assert_states_equal(states, ref_states, name)
-            rounding = MASTER_24_STEP if bits == 24 else 0.0
+            rounding = MASTER_24_STEP[dtype] if bits == 24 else 0.0
             assert_params_close(read_master(param, correction), expected, name,
                                 update=expected.double() - decayed, rounding=rounding)
-            assert_canonical(param, correction, name)
+            assert_stable(param, correction, name)
             param.copy_(ref_param)
             correction.copy_(ref_correction)
             for state, ref_state in zip(states, ref_states):
@@ -184,16 +220,16 @@ def test_matches_the_reference_step_within_the_float32_bounds(kind, bits):
                 state.scales.copy_(ref_state.scales)
 
 
-def train(optimizer_class, backend, *, dtype=torch.bfloat16, master_weight_bits=None, steps=STEPS,
-          checkpoint=None):
-    """``steps`` steps of a model with bfloat16 values (one transposed weight, one 1-D weight
-    with a partial last block, a small bias with float state) and bfloat16 gradients; returns
-    its master weights (the parameters without master weights) as float32, the optimizer and
-    its parameters.
+def train(optimizer_class, backend, *, dtype=torch.bfloat16, values=torch.bfloat16, master_weight_bits=None,
+          steps=STEPS, checkpoint=None):
+    """``steps`` steps of a model of ``dtype`` parameters (one transposed weight, one 1-D weight
+    with a partial last block, a small bias with float state) whose weights and gradients hold
+    values of ``values``; returns its master weights (the parameters without master weights)
+    as float32, the optimizer and its parameters.
     ``checkpoint``: ``(parameters, state dict)`` to resume from."""
     torch.manual_seed(1)
     weights = [torch.randn(64, 80), torch.randn(70, 60).t(), torch.randn(4097), torch.randn(10)]
-    params = [torch.nn.Parameter((w * 0.02).bfloat16().to(dtype)) for w in weights]
+    params = [torch.nn.Parameter((w * 0.02).to(values).to(dtype)) for w in weights]
     optimizer = optimizer_class(params, lr=1e-3, weight_decay=0.1, min_quant_size=1000, backend=backend,
                                 master_weight_bits=master_weight_bits)
     if checkpoint is not None:
@@ -203,7 +239,7 @@ def train(optimizer_class, backend, *, dtype=torch.bfloat16, master_weight_bits=
     generator = torch.Generator().manual_seed(2)
     for _ in range(steps):
         for param in params:
-            param.grad = torch.randn(param.shape, generator=generator).bfloat16().to(dtype)
+            param.grad = torch.randn(param.shape, generator=generator).to(values).to(dtype)
         optimizer.step()
     masters = [read_master(p.detach(), optimizer.state[p][CORRECTION_KEY]) if master_weight_bits
                else p.detach().float() for p in params]
@@ -219,23 +255,33 @@ def change_rmse(actual, expected, start):
 
 
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamW4bit, AdamWFp8], ids=lambda c: c.__name__)
-def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class):
-    start = [p.detach().float() for p in train(optimizer_class, "compile", steps=0)[2]]
-    kernel_float32, _, _ = train(optimizer_class, "triton", dtype=torch.float32)
-    compiled_float32, _, _ = train(optimizer_class, "compile", dtype=torch.float32)
+@pytest.mark.parametrize("optimizer_class, dtype", [
+    (AdamW8bit, torch.bfloat16), (AdamW4bit, torch.bfloat16), (AdamWFp8, torch.bfloat16),
+    (AdamW4bit, torch.float16),
+], ids=lambda value: getattr(value, "__name__", str(value)))
+def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class, dtype):
+    """``STEPS`` steps, kernel against compiled step, float32 parameters (the bound's
+    measurement) and 24-bit master weights; and with 32 bits the kernel's bfloat16 model
+    follows its float32 one bit for bit (float16's 32-bit split is exact only from 2**-15 up:
+    the step-by-step test checks it there)."""
+    options = dict(values=dtype)
+    start = [p.detach().float() for p in train(optimizer_class, "compile", steps=0, **options)[2]]
+    kernel_float32, _, _ = train(optimizer_class, "triton", dtype=torch.float32, **options)
+    compiled_float32, _, _ = train(optimizer_class, "compile", dtype=torch.float32, **options)
     assert change_rmse(kernel_float32, compiled_float32, start) < CHANGE_RMSE_BOUND  # the bound's measurement
-    kernel_32, optimizer, params = train(optimizer_class, "triton", master_weight_bits=32)
+    options["dtype"] = dtype
+    kernel_24, optimizer, params = train(optimizer_class, "triton", master_weight_bits=24, **options)
     # Every quantized parameter through the kernel (the bias keeps float state).
     (plan,) = optimizer._plans
     assert plan.rule_plan.quantized == [] and len(plan.rule_plan.triton_indices) == 3
-    for index, (master, expected) in enumerate(zip(kernel_32, kernel_float32)):
-        assert same_bits(master, expected), f"param {index}: 32-bit master weight"
-    kernel_24, optimizer, params = train(optimizer_class, "triton", master_weight_bits=24)
-    compiled_24, _, _ = train(optimizer_class, "compile", master_weight_bits=24)
+    compiled_24, _, _ = train(optimizer_class, "compile", master_weight_bits=24, **options)
     assert change_rmse(kernel_24, compiled_24, start) < CHANGE_RMSE_BOUND
     for index, param in enumerate(params):
-        assert_canonical(param.detach(), optimizer.state[param][CORRECTION_KEY], f"param {index}")
+        assert_stable(param.detach(), optimizer.state[param][CORRECTION_KEY], f"param {index}")
+    if dtype == torch.bfloat16:
+        kernel_32, _, _ = train(optimizer_class, "triton", master_weight_bits=32)
+        for index, (master, expected) in enumerate(zip(kernel_32, kernel_float32)):
+            assert same_bits(master, expected), f"param {index}: 32-bit master weight"
 
 
 @pytest.mark.usefixtures("interpreter")
@@ -254,7 +300,8 @@ def test_checkpoints_move_between_the_kernel_and_the_compiled_step():
                 zip(continued_params, resumed_params, continued, resumed, saved)):
             name = f"{saving} -> {loading}, param {index}"
             update = master.double() - start.double() * (1 - 1e-3 * 0.1)
-            assert_params_close(other_master, master, name, update=update, rounding=MASTER_24_STEP)
+            assert_params_close(other_master, master, name, update=update,
+                                rounding=MASTER_24_STEP[torch.bfloat16])
             state, other_state = continued_optimizer.state[param], resumed_optimizer.state[other]
             if index < 3:
                 assert_states_equal([other_state["exp_avg"], other_state["exp_avg_sq"]],
@@ -269,9 +316,9 @@ def test_the_kernel_refuses_what_master_weights_exclude():
     before = param.clone()
     with pytest.raises(ValueError, match="exclude each other"):
         kernel_step([(param, grad, states)], hyper, corrections=[correction], stochastic_round=True)
-    with pytest.raises(ValueError, match="bfloat16 parameters and int8 or int16 corrections"):
+    with pytest.raises(ValueError, match="float16 parameters and int8 or int16 corrections"):
         kernel_step([(param.float(), grad, states)], hyper, corrections=[correction])
-    with pytest.raises(ValueError, match="bfloat16 parameters and int8 or int16 corrections"):
+    with pytest.raises(ValueError, match="float16 parameters and int8 or int16 corrections"):
         kernel_step([(param, grad, states)], hyper, corrections=[correction.int()])
     with pytest.raises(ValueError, match="their parameters' sizes"):
         kernel_step([(param, grad, states)], hyper, corrections=[correction[:-1]])

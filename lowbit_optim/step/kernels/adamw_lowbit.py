@@ -143,6 +143,18 @@ _MASTER_24_DROPPED_BITS = tl.constexpr(master_weights.MASTER_24_DROPPED_BITS)
 _MASTER_24_ROUNDING = tl.constexpr(master_weights.MASTER_24_ROUNDING)
 _MASTER_24_KEPT_MASK = tl.constexpr(-(1 << master_weights.MASTER_24_DROPPED_BITS))
 _CANONICAL_NAN_BITS = tl.constexpr(master_weights.CANONICAL_NAN_BITS)
+_FLOAT16_MANTISSA_BITS = tl.constexpr(master_weights.FLOAT16_MANTISSA_BITS)
+_FLOAT16_EXPONENT_FIELD = tl.constexpr(master_weights.FLOAT16_EXPONENT_FIELD)
+_FLOAT16_MIN_NORMAL_FIELD = tl.constexpr(master_weights.FLOAT16_MIN_NORMAL_FIELD)
+_FLOAT32_MANTISSA_BITS = tl.constexpr(master_weights.FLOAT32_MANTISSA_BITS)
+_FLOAT16_UNIT_FIELD_OFFSET_24 = tl.constexpr(master_weights.FLOAT16_UNIT_FIELD_OFFSET[torch.int8])
+_FLOAT16_UNIT_FIELD_OFFSET_32 = tl.constexpr(master_weights.FLOAT16_UNIT_FIELD_OFFSET[torch.int16])
+_CANONICAL_FLOAT16_NAN_BITS = tl.constexpr(master_weights.CANONICAL_FLOAT16_NAN_BITS)
+# A power of two's float32 exponent field is 127 plus its exponent: 2**-k's is 254 minus 2**k's.
+_FLOAT32_RECIPROCAL_FIELD = tl.constexpr(2 * 127)
+# x + 1.5 * 2**23 - 1.5 * 2**23 is x rounded to an integer, half to even, for |x| <= 2**22: the
+# sum lies in [2**23, 2**24), where float32's spacing is 1 (torch's round() of the reference).
+_ROUND_TO_INTEGER = tl.constexpr(1.5 * 2.0**23)
 # Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
 _TINY_SCALE = tl.constexpr(2.0**-125)
 _TINY_FACTOR = tl.constexpr(2.0**64)
@@ -357,30 +369,81 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
 
 @triton.jit
 def _read_master(param, correction, MASTER_WEIGHT_BITS: tl.constexpr):
-    """``master_weights.read_master``: the float32 master weight of a bfloat16 parameter and
-    its correction (int8 for 24 bits, int16 for 32), with the same integer operations."""
-    upper = param.to(tl.int16, bitcast=True).to(tl.int32) << _BFLOAT16_SHIFT
-    remainder = correction.to(tl.int32)
-    if MASTER_WEIGHT_BITS == 24:
-        remainder = remainder << _MASTER_24_DROPPED_BITS
-    return (upper + remainder).to(tl.float32, bitcast=True)
+    """``master_weights.read_master``: the float32 master weight of a bfloat16 or float16
+    parameter and its correction (int8 for 24 bits, int16 for 32), with the same operations."""
+    if param.dtype == tl.float16:
+        unit_field = _float16_unit_field(param.to(tl.int16, bitcast=True).to(tl.int32), MASTER_WEIGHT_BITS)
+        unit = (unit_field << _FLOAT32_MANTISSA_BITS).to(tl.float32, bitcast=True)
+        # Subtracted as its negation, as the reference does: a zero correction keeps -0.0.
+        negated = -correction.to(tl.int32)
+        return param.to(tl.float32) - negated.to(tl.float32) * unit
+    else:
+        upper = param.to(tl.int16, bitcast=True).to(tl.int32) << _BFLOAT16_SHIFT
+        remainder = correction.to(tl.int32)
+        if MASTER_WEIGHT_BITS == 24:
+            remainder = remainder << _MASTER_24_DROPPED_BITS
+        return (upper + remainder).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _split_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
-    """``master_weights.split_master``: float32 ``master`` -> (bfloat16 parameter, correction),
-    with the same integer operations: rounded half up in bit space (to a multiple of 2**8
-    first for 24 bits), every NaN replaced by one quiet NaN."""
+def _float16_unit_field(param_bits, MASTER_WEIGHT_BITS: tl.constexpr):
+    """The float32 exponent field of a float16 parameter's correction unit, from the
+    parameter's bits (``master_weights.float16_unit``)."""
+    field = (param_bits >> _FLOAT16_MANTISSA_BITS) & _FLOAT16_EXPONENT_FIELD
+    if MASTER_WEIGHT_BITS == 24:
+        offset: tl.constexpr = _FLOAT16_UNIT_FIELD_OFFSET_24
+    else:
+        offset: tl.constexpr = _FLOAT16_UNIT_FIELD_OFFSET_32
+    return tl.maximum(field, _FLOAT16_MIN_NORMAL_FIELD) + offset
+
+
+@triton.jit
+def _split_master(master, DTYPE: tl.constexpr, MASTER_WEIGHT_BITS: tl.constexpr):
+    """``master_weights.split_master``: float32 ``master`` -> (parameter of ``DTYPE``,
+    correction: int8 for 24 bits, int16 for 32)."""
+    # One return: Triton types every return of a function alike, static branches included.
+    if DTYPE == tl.float16:
+        param, steps = _split_float16_master(master, MASTER_WEIGHT_BITS)
+    else:
+        param, steps = _split_bfloat16_master(master, MASTER_WEIGHT_BITS)
+    if MASTER_WEIGHT_BITS == 24:
+        correction = steps.to(tl.int8)
+    else:
+        correction = steps.to(tl.int16)
+    return param, correction
+
+
+@triton.jit
+def _split_bfloat16_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
+    """The bfloat16 parameter and the correction (int32), with the reference's integer
+    operations: rounded half up in bit space (to a multiple of 2**8 first for 24 bits), every
+    NaN replaced by one quiet NaN."""
     bits = tl.where(master == master, master.to(tl.int32, bitcast=True), _CANONICAL_NAN_BITS)
     if MASTER_WEIGHT_BITS == 24:
         bits = (bits + _MASTER_24_ROUNDING) & _MASTER_24_KEPT_MASK
     upper = (bits + _BFLOAT16_ROUNDING) >> _BFLOAT16_SHIFT
     remainder = bits - (upper << _BFLOAT16_SHIFT)
     if MASTER_WEIGHT_BITS == 24:
-        correction = (remainder >> _MASTER_24_DROPPED_BITS).to(tl.int8)
-    else:
-        correction = remainder.to(tl.int16)
-    return upper.to(tl.int16).to(tl.bfloat16, bitcast=True), correction
+        remainder = remainder >> _MASTER_24_DROPPED_BITS
+    return upper.to(tl.int16).to(tl.bfloat16, bitcast=True), remainder
+
+
+@triton.jit
+def _split_float16_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
+    """The float16 parameter and the correction (float32, integral): the master rounded to
+    nearest even (NaN to one quiet NaN) and the residual counted in the parameter's unit,
+    rounded half to even (0 for a non-finite parameter). The subtraction and the scaling by a
+    power of two are exact, so each value is the reference's."""
+    param_bits = tl.where(master == master, master.to(tl.float16).to(tl.int16, bitcast=True),
+                          _CANONICAL_FLOAT16_NAN_BITS)
+    param = param_bits.to(tl.float16, bitcast=True)
+    base = param.to(tl.float32)
+    unit_field = _float16_unit_field(param_bits.to(tl.int32), MASTER_WEIGHT_BITS)
+    # Dividing by the unit (a power of two) is multiplying by its reciprocal, another one.
+    inverse_unit = ((-unit_field + _FLOAT32_RECIPROCAL_FIELD) << _FLOAT32_MANTISSA_BITS).to(
+        tl.float32, bitcast=True)
+    residual = (master - base) * inverse_unit
+    return param, tl.where(_is_finite(base), (residual + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER, 0.0)
 
 
 @triton.jit
@@ -403,8 +466,8 @@ def _update_half(param_ptr, grad_ptr, correction_ptr, half, moments, hyper, AMSG
     exp_avg_sq, max_exp_avg_sq)``; ``hyper``: the step's scalars, the same for both halves
     (the kernel's ``step_size`` to ``max_ratio``, in that order).
     ``MASTER_WEIGHT_BITS`` (24 or 32; 0 for none): the update reads and writes the master
-    weight of a bfloat16 parameter and its correction at ``correction_ptr``, as the compiled
-    step does (``quantized.quantized_adamw_step``).
+    weight of a bfloat16 or float16 parameter and its correction at ``correction_ptr``, as the
+    compiled step does (``quantized.quantized_adamw_step``).
     ``L2_DECAY`` (torch.optim.Adam): ``decay`` is the weight decay, added to the gradient as
     ``decay * param``, and the parameter is not scaled. One scalar serves both meanings: a
     separate one cost the 8-bit float32 variant two spills under the register cap (sm_90)."""
@@ -446,7 +509,7 @@ def _update_half(param_ptr, grad_ptr, correction_ptr, half, moments, hyper, AMSG
     new_param = tl.fma(-step_size, ratio, decayed)
     new_param = tl.where(finite, new_param, param)
     if MASTER_WEIGHT_BITS:
-        new_param, new_correction = _split_master(new_param, MASTER_WEIGHT_BITS)
+        new_param, new_correction = _split_master(new_param, param_ptr.dtype.element_ty, MASTER_WEIGHT_BITS)
         tl.store(correction_ptr + index, new_correction, mask=mask)
     else:
         new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
@@ -631,9 +694,9 @@ def master_weight_bits(params: list[torch.Tensor], weight_corrections: list[torc
     if len(weight_corrections) != len(params):
         raise ValueError("weight_corrections must have one entry per parameter")
     dtype = weight_corrections[0].dtype
-    if dtype not in (torch.int8, torch.int16) or params[0].dtype != torch.bfloat16:
-        raise ValueError(f"master weights need bfloat16 parameters and int8 or int16 corrections "
-                         f"(got {params[0].dtype} and {dtype})")
+    if dtype not in (torch.int8, torch.int16) or params[0].dtype not in master_weights.CORRECTED_DTYPES:
+        raise ValueError(f"master weights need bfloat16 or float16 parameters and int8 or int16 "
+                         f"corrections (got {params[0].dtype} and {dtype})")
     for param, correction in zip(params, weight_corrections):
         if (correction.dtype != dtype or correction.device != param.device or not correction.is_contiguous()
                 or correction.numel() != param.numel()):
@@ -668,8 +731,9 @@ def launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[
 
     ``params``/``grads`` are contiguous tensors of one dtype each; each moment is a list of
     ``(codes, scales)`` pairs laid out as in ``QuantizedState``; ``scalars`` comes from
-    ``host_scalars``. ``weight_corrections``: bfloat16 parameters' master weight corrections
-    (``master_weights``; contiguous, all int8 or all int16), updated in place with them.
+    ``host_scalars``. ``weight_corrections``: bfloat16 or float16 parameters' master weight
+    corrections (``master_weights``; contiguous, all int8 or all int16), updated in place with
+    them.
     Works everything out on every call, with layouts cached by address (``layout.get_layout``);
     the optimizer's steps go through ``kernels.plan.KindPlan``, which works it out once.
     """

@@ -52,9 +52,9 @@ def adamw_lowbit_step(
     ``params`` (contiguous, one dtype) and ``grads`` (one dtype) pair up with the moments'
     codes and scales (``QuantizedState.codes``/``.scales``); the ``max_exp_avg_sq`` lists are
     empty unless amsgrad is on, ``weight_corrections`` unless the parameters keep master
-    weights (bfloat16 parameters' corrections, ``step.master_weights``: contiguous, all int8
-    or all int16; the step updates parameter and correction together). All parameters share
-    ``step``. ``seed`` (bfloat16 stochastic rounding only): the noise seed, e.g. from
+    weights (bfloat16 or float16 parameters' corrections, ``step.master_weights``: contiguous,
+    all int8 or all int16; the step updates parameter and correction together). All
+    parameters share ``step``. ``seed`` (bfloat16 stochastic rounding only): the noise seed, e.g. from
     ``stochastic_round_seed`` and a counter the caller keeps; ``None`` draws one from torch's
     CPU generator (which that consumes).
     """
@@ -231,7 +231,8 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
 
     ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
     ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced),
-    and optionally a bfloat16 parameter's master weight correction (``chunks.ParamStep``).
+    and optionally a bfloat16 or float16 parameter's master weight correction
+    (``chunks.ParamStep``).
     Kinds: formats, block size, parameter and gradient dtype, device, step count, amsgrad,
     correction dtype.
     ``rounding_stream`` (bfloat16 stochastic rounding): when given, each kind's noise seed is
