@@ -336,7 +336,7 @@ def test_compiled_quantize_matches_eager(fmt):
 def test_unknown_format_and_bad_block_size():
     with pytest.raises(ValueError, match="Unknown quantization format 'int3'"):
         get_format("int3")
-    with pytest.raises(ValueError, match="Invalid block_size: 7"):
+    with pytest.raises(ValueError, match="Invalid block_size: 7 .a power of two"):
         QuantizedState.zeros((10,), DYNAMIC_4BIT_SIGNED, 7)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lowbit_optim import FactoredState, QuantizedState
-from lowbit_optim.checkpoint.load import TORCH_ADAMW_GROUP_OPTIONS
+from lowbit_optim.checkpoint.validate import TORCH_ADAMW_GROUP_OPTIONS
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 

@@ -7,6 +7,7 @@ schedule (``LambdaLR``). See ``docs/benchmarks.md`` for what every column measur
 """
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
 import sys
@@ -60,13 +61,15 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, help="training steps (default: the preset's)")
     parser.add_argument("--optimizers", nargs="+", default=list(DEFAULT_OPTIMIZERS),
                         help=f"names from {sorted(harness.OPTIMIZERS)}, or 'peers', 'rules' (Lion and "
-                             "AdEMAMix, ours and bitsandbytes') or 'all' "
+                             "AdEMAMix, ours and bitsandbytes'), 'precision' (bf16 weights: "
+                             "rounding, stochastic rounding, 24/32-bit master weights) or 'all' "
                              f"(default: {' '.join(DEFAULT_OPTIMIZERS)}); peers that are not "
                              "installed are skipped")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the model's parameter dtype (bfloat16: pair with the *_mw24 optimizers "
-                             "for 24-bit master weights)")
+                        help="the model's parameter dtype, for the rows that do not fix their own "
+                             "(the *_bf16, *_bf16_sr, *_mw24 and *_mw32 rows train in bfloat16)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     parser.add_argument("--seeds", type=int, nargs="+",
                         help="several seeds: report means and the seed spread (overrides --seed)")
@@ -79,6 +82,9 @@ def parse_args(argv):
     parser.add_argument("--release-gradients", action="store_true",
                         help="step each parameter during backward and free its gradient "
                              "(lowbit_optim.release_gradients; our optimizers only, with --grad-clip 0)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward (torch.utils.checkpoint), "
+                             "so the gradients, not the activations, set the peak")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"),
                         help="where results.json, table.md and the PNGs go (default: bench_out/)")
     parser.add_argument("--quick", action="store_true",
@@ -88,6 +94,8 @@ def parse_args(argv):
         args.model_size = "quick"
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.lr is not None and not args.lr > 0:  # also refuses nan
+        parser.error(f"--lr must be > 0, got {args.lr}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if not args.grad_clip >= 0:  # also refuses nan
@@ -130,6 +138,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
             gaps = [100 * (run["final_val_loss"] / reference[run["seed"]]["final_val_loss"] - 1)
                     for run in seeds if run["seed"] in reference]
             row["val_gap_vs_reference_pct"] = statistics.mean(gaps)
+            row["val_gap_vs_reference_pct_sd"] = statistics.stdev(gaps) if len(gaps) > 1 else None
         if baseline:
             base = baseline[first["seed"]]
             row["state_saving"] = base["state_bytes"] / max(first["state_bytes"], 1)
@@ -141,7 +150,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def table_columns(multi_seed: bool, other_rules: bool = False) -> list[harness.Column]:
+def table_columns(multi_seed: bool, references: bool = False) -> list[harness.Column]:
     columns = [
         harness.Column("optimizer", "label"),
         harness.Column("state B/param", "state_bytes_per_param", "{:.2f}"),
@@ -160,8 +169,10 @@ def table_columns(multi_seed: bool, other_rules: bool = False) -> list[harness.C
     columns.append(harness.Column("val gap vs fp32", "val_gap_pct", "{:+.2f}%"))
     if multi_seed:
         columns.append(harness.Column("gap sd", "val_gap_pct_sd", "{:.2f}"))
-    if other_rules:
-        columns.append(harness.Column("gap vs its fp32 rule", "val_gap_vs_reference_pct", "{:+.2f}%"))
+    if references:
+        columns.append(harness.Column("gap vs its reference", "val_gap_vs_reference_pct", "{:+.2f}%"))
+        if multi_seed:
+            columns.append(harness.Column("ref gap sd", "val_gap_vs_reference_pct_sd", "{:.2f}"))
     return columns
 
 
@@ -180,6 +191,10 @@ def main(argv=None) -> int:
         preset["steps"] = args.steps
     if args.batch_size is not None:
         preset["batch_size"] = args.batch_size
+    if args.lr is not None:
+        preset["lr"] = args.lr
+    if args.activation_checkpointing:
+        preset["model"] = dataclasses.replace(preset["model"], activation_checkpointing=True)
     steps = preset["steps"]
     preset["eval_every"] = min(preset["eval_every"], steps)
     seeds = args.seeds or [args.seed]
@@ -214,7 +229,9 @@ def main(argv=None) -> int:
         table = harness.markdown_table(rows, table_columns(
             len(seeds) > 1, any("val_gap_vs_reference_pct" in row for row in rows)))
         run_line = (f"{args.model_size} preset: {rows[0]['params'] / 1e6:.2f}M params, {steps} "
-                    f"steps of {preset['batch_size']} x {preset['model'].context} bytes, seeds {seeds}")
+                    f"steps of {preset['batch_size']} x {preset['model'].context} bytes, seeds {seeds}"
+                    f"{', activation checkpointing' if args.activation_checkpointing else ''}"
+                    f"{', gradients released' if args.release_gradients else ''}")
         heading = f"{run_line}; {machine}"
         (args.out / "table.md").write_text(f"{heading}\n\n{table}\n")
         return heading, run_line, table

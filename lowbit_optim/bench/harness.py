@@ -41,9 +41,12 @@ class OptimizerSpec:
     label: str  # what the tables and plots call it
     package: str | None  # the distribution it needs beyond torch and lowbit_optim
     build: Callable  # build(params, **hyperparameters) -> torch.optim.Optimizer
-    # For another update rule than AdamW: the run whose loss it is compared with (the rule
-    # in fp32, which the gap to fp32 AdamW would mix up with the rule's own merit).
+    # The run whose loss it is also compared with, seed by seed: for another update rule
+    # than AdamW, the rule in fp32 (the gap to fp32 AdamW would mix the rule's own merit in);
+    # for a bfloat16 row, the same optimizer with float32 parameters.
     reference: str | None = None
+    # The parameters' dtype this row always trains in; None: the run's ``--param-dtype``.
+    param_dtype: str | None = None
 
 
 def _torchao(class_name: str):
@@ -94,6 +97,27 @@ _RULE_ROWS = (
 )
 
 
+# bfloat16 parameters, four ways to write the update into them: plain rounding (what a model
+# cast to bf16 gets), stochastic rounding, and 24- and 32-bit master weights (an int8 or int16
+# correction in the optimizer state). Each is compared with the same optimizer on float32
+# parameters (the run's ``--param-dtype`` left at float32).
+_BFLOAT16_WRITES = (
+    # suffix, label, optimizer arguments
+    ("bf16", "bf16 weights, rounded", {}),
+    ("bf16_sr", "bf16 weights, stochastic rounding", {"bf16_stochastic_round": True}),
+    ("mw24", "bf16 weights + 24-bit master", {"master_weight_bits": 24}),
+    ("mw32", "bf16 weights + 32-bit master", {"master_weight_bits": 32}),
+)
+_BFLOAT16_ROWS = tuple(
+    OptimizerSpec(f"{name}_{suffix}", f"{label}, {how}", None, functools.partial(cls, **arguments),
+                  reference=name, param_dtype="bfloat16")
+    for name, label, cls in (("lowbit_8bit", "lowbit_optim AdamW8bit", AdamW8bit),
+                             ("lowbit_4bit", "lowbit_optim AdamW4bit", AdamW4bit),
+                             ("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit", AdamWFactored4bit))
+    for suffix, how, arguments in _BFLOAT16_WRITES
+)
+
+
 class _ZeroMapAdamW8bit(AdamW8bit):
     """Ablation: AdamW8bit with bitsandbytes' plain unsigned second-moment map, whose code 0
     is 0 (the zero-point hazard that ``AdamW8bit``'s zero-free map removes)."""
@@ -123,13 +147,7 @@ OPTIMIZERS = {
         OptimizerSpec("lowbit_4bit", "lowbit_optim AdamW4bit", None, AdamW4bit),
         OptimizerSpec("lowbit_fp8", "lowbit_optim AdamWFp8", None, AdamWFp8),
         OptimizerSpec("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit", None, AdamWFactored4bit),
-        # With bf16 parameters (--param-dtype bfloat16): 24-bit master weights, an int8 correction.
-        *(OptimizerSpec(f"{name}_mw24", f"{label} + 24-bit master", None,
-                        functools.partial(cls, master_weight_bits=24))
-          for name, label, cls in (("lowbit_8bit", "lowbit_optim AdamW8bit", AdamW8bit),
-                                   ("lowbit_4bit", "lowbit_optim AdamW4bit", AdamW4bit),
-                                   ("lowbit_4bit_factored", "lowbit_optim AdamWFactored4bit",
-                                    AdamWFactored4bit))),
+        *_BFLOAT16_ROWS,
         # The compiled step on purpose (on CPU the default is the C++ kernel where it builds).
         OptimizerSpec("lowbit_8bit_compile", "lowbit_optim AdamW8bit (backend='compile')", None,
                       lambda params, **hyper: AdamW8bit(params, backend="compile", **hyper)),
@@ -146,6 +164,11 @@ OPTIMIZERS = {
 }
 # ``--optimizers rules``: Lion and AdEMAMix, ours and bitsandbytes', each with its fp32 reference.
 RULES = tuple(row[0] for row in _RULE_ROWS)
+# ``--optimizers precision``: fp32 AdamW, AdamW8bit and AdamW4bit on float32 parameters, and
+# the two low-bit ones on bfloat16 parameters written each of the four ways.
+PRECISION = ("torch_adamw", "lowbit_8bit", "lowbit_4bit",
+             *(f"{name}_{suffix}" for name in ("lowbit_8bit", "lowbit_4bit")
+               for suffix, _, _ in _BFLOAT16_WRITES))
 PEERS = ("torchao_8bit", "torchao_4bit", "torchao_fp8", "bnb_8bit")
 
 
@@ -169,11 +192,13 @@ def resolve_optimizers(names: Iterable[str], *, all_names: Iterable[str]) -> tup
     """
     expanded: list[str] = []
     for name in names:
-        group = {"all": list(all_names), "peers": list(PEERS), "rules": list(RULES)}.get(name, [name])
+        groups = {"all": list(all_names), "peers": list(PEERS), "rules": list(RULES),
+                  "precision": list(PRECISION)}
+        group = groups.get(name, [name])
         for item in group:
             if item not in OPTIMIZERS:
                 raise ValueError(f"Unknown optimizer {item!r}; choose from {sorted(OPTIMIZERS)}, "
-                                 "'peers' or 'all'")
+                                 "'peers', 'rules', 'precision' or 'all'")
             if item not in expanded:
                 expanded.append(item)
     runnable = [name for name in expanded if is_available(name)]

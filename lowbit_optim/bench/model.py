@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from lowbit_optim.bench.data import VOCAB_SIZE
@@ -20,6 +21,9 @@ class ModelConfig:
     n_layers: int
     n_heads: int
     context: int
+    # Recompute each block's activations during backward instead of keeping them (what
+    # large-model training does to fit memory): only the blocks' inputs stay alive.
+    activation_checkpointing: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,7 +78,10 @@ class ByteGPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         # Output head tied to the token embedding (GPT-2).
         logits = self.norm(x) @ self.token_embedding.weight.T
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -51,7 +51,8 @@ class TrainConfig:
     seed: int
     # Clip the global gradient norm to this before each step (the GPT recipe), or None.
     grad_clip: float | None = None
-    # The parameters' dtype ("float32" or "bfloat16"; the model computes in it too).
+    # The parameters' dtype ("float32" or "bfloat16"; the model computes in it too), unless
+    # the optimizer's row fixes its own (``OptimizerSpec.param_dtype``).
     param_dtype: str = "float32"
     # Step each parameter during backward and free its gradient (``release_gradients``).
     release_gradients: bool = False
@@ -115,7 +116,8 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
           progress=None) -> dict:
     """Train ``ByteGPT`` with optimizer ``name``; returns one result row (see module doc)."""
     torch.manual_seed(config.seed)
-    model = ByteGPT(config.model).to(device=device, dtype=getattr(torch, config.param_dtype))
+    param_dtype = harness.OPTIMIZERS[name].param_dtype or config.param_dtype
+    model = ByteGPT(config.model).to(device=device, dtype=getattr(torch, param_dtype))
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = harness.make_optimizer(name, model.parameters(), lr=config.lr,
                                        betas=config.betas, weight_decay=config.weight_decay)
@@ -180,7 +182,7 @@ def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
         "params": num_params,
         "state_bytes": moments,
         "state_bytes_per_param": moments / num_params,
-        "param_dtype": config.param_dtype,
+        "param_dtype": param_dtype,
         "release_gradients": config.release_gradients,
         "training_bytes_per_param": training_bytes / num_params,
         "peak_memory_bytes": peak,

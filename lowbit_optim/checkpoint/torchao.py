@@ -51,6 +51,7 @@ from lowbit_optim.formats.catalog import (
     FLOAT8,
     LINEAR_4BIT_NONZERO,
     QuantFormat,
+    check_block_size,
 )
 from lowbit_optim.formats.codecs import FLOAT8_CODEC
 from lowbit_optim.state.quantized import QuantizedState
@@ -143,7 +144,7 @@ class _StateClass:
             return None
         block_size = codes.numel() * self.codes_per_byte // scale.numel()
         try:
-            fmt.check_block_size(block_size)
+            check_block_size(block_size)
         except ValueError:
             return None
         numel = shape.numel()

@@ -18,6 +18,24 @@ import torch
 
 from lowbit_optim.formats import codecs
 
+# The block sizes every format, the optimizers and both kernels accept: powers of two, so a
+# block is whole bytes of codes in every format and a whole number of vector lanes and Triton
+# tiles, between the smallest block worth a float32 scale and the largest the kernels hold.
+MIN_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 4096
+
+
+def check_block_size(block_size) -> None:
+    """Raise ``ValueError`` naming ``block_size`` unless it is an int that is a power of two
+    from ``MIN_BLOCK_SIZE`` to ``MAX_BLOCK_SIZE``: the one rule, wherever a block size enters."""
+    valid = (isinstance(block_size, int) and not isinstance(block_size, bool)
+             and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0)
+    if not valid:
+        raise ValueError(
+            f"Invalid block_size: {block_size!r} (a power of two from {MIN_BLOCK_SIZE} to "
+            f"{MAX_BLOCK_SIZE} is needed)"
+        )
+
 
 @dataclass(frozen=True)
 class QuantFormat:
@@ -41,15 +59,6 @@ class QuantFormat:
 
     def num_blocks(self, numel: int, block_size: int) -> int:
         return -(-numel // block_size)
-
-    def check_block_size(self, block_size: int) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-            raise ValueError(f"Invalid block_size: {block_size!r} (an int >= 2 is needed)")
-        if block_size % (2 * self.codes_per_byte):
-            raise ValueError(
-                f"Invalid block_size: {block_size} ({self.name} needs a multiple of "
-                f"{2 * self.codes_per_byte})"
-            )
 
     @property
     def parts(self) -> int:

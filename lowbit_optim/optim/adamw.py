@@ -3,7 +3,7 @@
 two moments (and, for the Adam classes, that weight decay is L2; for the factored one, which
 second moments are factored), nothing more."""
 
-from lowbit_optim.checkpoint import load as checkpoint
+from lowbit_optim.checkpoint.validate import TORCH_ADAMW_GROUP_OPTIONS
 from lowbit_optim.formats.catalog import (
     DYNAMIC_4BIT_SIGNED,
     DYNAMIC_8BIT_SIGNED,
@@ -69,7 +69,7 @@ class LowBitAdamW(LowBitOptimizer):
         super()._fill_group_options(group)
         group.setdefault("amsgrad", False)
         group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
-        for key, value in checkpoint.TORCH_ADAMW_GROUP_OPTIONS.items():
+        for key, value in TORCH_ADAMW_GROUP_OPTIONS.items():
             group.setdefault(key, value)
 
     def _check_group(self, group: dict) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowbit_optim.checkpoint import load as checkpoint
-from lowbit_optim.formats.catalog import QuantFormat
+from lowbit_optim.formats.catalog import QuantFormat, check_block_size
 from lowbit_optim.state import sharding
 from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
@@ -31,9 +31,6 @@ from lowbit_optim.step.master_weights import (
 from lowbit_optim.step.math import compute_dtype
 from lowbit_optim.step.plan import GroupPlan
 from lowbit_optim.step.rules.base import UpdateRule
-
-MIN_BLOCK_SIZE = 16
-MAX_BLOCK_SIZE = 4096
 
 
 def capturing_cuda_graph() -> bool:
@@ -178,17 +175,7 @@ class LowBitOptimizer(Optimizer):
         self.rule.check_hyperparameters(group)
         if not isinstance(group["maximize"], bool):
             raise ValueError(f"Invalid maximize: {group['maximize']!r} (a bool is needed)")
-        block_size = group["block_size"]
-        valid_size = (
-            isinstance(block_size, int) and not isinstance(block_size, bool)
-            and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
-            and block_size & (block_size - 1) == 0
-        )
-        if not valid_size:
-            raise ValueError(
-                f"Invalid block_size: {block_size!r} (a power of two from {MIN_BLOCK_SIZE} "
-                f"to {MAX_BLOCK_SIZE} is needed)"
-            )
+        check_block_size(group["block_size"])
         min_quant_size = group["min_quant_size"]
         if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
             raise ValueError(f"Invalid min_quant_size: {min_quant_size!r} (an int >= 0 is needed)")

@@ -32,7 +32,7 @@ tensor``
 
 import torch
 
-from lowbit_optim.formats.catalog import QuantFormat, get_format
+from lowbit_optim.formats.catalog import QuantFormat, check_block_size, get_format
 from lowbit_optim.state.quantized_slice import QuantizedSlice
 from lowbit_optim.state.stored_tensor import SHARED_HANDLERS, StoredTensor, infer_shape
 
@@ -64,7 +64,7 @@ class QuantizedState(StoredTensor):
     @classmethod
     def zeros(cls, shape, fmt: QuantFormat, block_size: int, *, device=None, dtype=torch.float32):
         shape = torch.Size(shape)
-        fmt.check_block_size(block_size)
+        check_block_size(block_size)
         num_blocks = fmt.num_blocks(shape.numel(), block_size)
         zero_code = int(fmt.table.abs().argmin())
         # One block is packed and broadcast into the codes: packing all of them at once built
