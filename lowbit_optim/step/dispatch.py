@@ -89,11 +89,10 @@ class AdamWPlan:
                 # The kernel has no master weight variant: those take the compiled step.
                 triton_entries.append(index)
             elif (backend == "cpu"
-                  and not (entry.weight_correction is not None and entry.param.dtype == torch.float16)
                   and cpu_kernel.supports(entry.exp_avg.format, entry.exp_avg_sq.format,
                                           entry.exp_avg.block_size, entry.param, entry.grad)):
-                # bfloat16 master weights included (the kernel has no float16 master weight
-                # variant yet); every case ``supports`` turns down takes the compiled step.
+                # Master weights included; every case ``supports`` turns down takes the
+                # compiled step.
                 self.cpu_kernel.append(PlannedStep(index, entry._replace(grad=None)))
             else:
                 self.quantized.append(PlannedStep(index, entry._replace(grad=None)))
