@@ -6,7 +6,10 @@ import torch
 from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
+from lowbit_optim.formats import catalog as formats
 from lowbit_optim.step import factored, quantized
+from lowbit_optim.step.chunks import ParamStep, TailScratch
+from lowbit_optim.step.math import StepScalars
 
 # The regression problem's length: the bounds against torch.optim.AdamW and Adam in
 # tests/test_optimizer.py and tests/test_adam.py were measured at it.
@@ -97,3 +100,76 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# --- the C++ CPU step's tests (tests/test_cpu_kernel*.py) -------------------------------------
+
+# The state kinds the kernel steps, by name: (first moment's format, second moment's format).
+FORMAT_PAIRS = {
+    "8bit": (formats.DYNAMIC_8BIT_SIGNED, formats.DYNAMIC_8BIT_UNSIGNED_NONZERO),
+    "4bit": (formats.DYNAMIC_4BIT_SIGNED, formats.LINEAR_4BIT_NONZERO),
+    "fp8": (formats.FLOAT8, formats.FLOAT8_NONZERO),
+}
+
+
+def available_isas():
+    """The kernel's instruction-set paths this CPU runs."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    isas = ["scalar"]
+    if "AVX2" in capability or "AVX512" in capability:
+        isas.append("avx2")
+    if "AVX512" in capability:
+        isas.append("avx512")
+    return isas
+
+
+def make_scalars(*, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, step=1):
+    """A ``StepScalars`` of 0-d CPU tensors, as the optimizer passes them."""
+    as64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    return StepScalars(as64(lr), as64(betas[0]), as64(betas[1]), as64(eps), as64(weight_decay),
+                       torch.tensor(float(step)))
+
+
+def spread_gradient(shape, dtype, generator):
+    """Gradients spanning many magnitudes within a block (every decade of the 8-bit map)."""
+    magnitude = 10 ** (torch.rand(shape, generator=generator) * 8 - 6)
+    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0)
+    return (magnitude * sign).to(dtype)
+
+
+class KernelSetup:
+    """A parameter with states warmed by reference steps, and a copy of both to step again."""
+
+    def __init__(self, pair, shape, dtype, *, amsgrad, block_size=None, seed=0):
+        self.fmts = FORMAT_PAIRS[pair]
+        generator = torch.Generator().manual_seed(seed)
+        block_size = block_size or self.fmts[0].default_block_size
+        self.param = torch.randn(shape, generator=generator).to(dtype)
+        self.states = [QuantizedState.zeros(shape, fmt, block_size, dtype=dtype)
+                       for fmt in (self.fmts[0], self.fmts[1], self.fmts[1])[:3 if amsgrad else 2]]
+        self.generator = generator
+        self.dtype = dtype
+        for step in range(1, 4):
+            grad = spread_gradient(shape, dtype, generator)
+            self.reference_step(self.param, self.states, grad, make_scalars(step=step))
+        self.step = 4
+
+    def entry(self, param, grad, states):
+        return ParamStep(param, grad, states[0], states[1], states[2] if len(states) == 3 else None, None)
+
+    def reference_step(self, param, states, grad, scalars, **flags):
+        flags = {"maximize": False, "stochastic_round": False, "decoupled_weight_decay": True, **flags}
+        entry = self.entry(param, grad, states)
+        quantized.run_quantized_step("eager", entry, scalars, TailScratch(), **flags)
+
+    def copies(self):
+        return self.param.clone(), [s.clone() for s in self.states]
+
+
+def assert_same_quantized(states, expected_states):
+    """Lists of ``QuantizedState``s with identical scales and codes (the first few differing
+    codes named)."""
+    for state, expected in zip(states, expected_states):
+        torch.testing.assert_close(state.scales, expected.scales, rtol=0, atol=0)
+        mismatched = (state.codes != expected.codes).nonzero()
+        assert mismatched.numel() == 0, f"{len(mismatched)} codes differ, first at {mismatched[:5].tolist()}"

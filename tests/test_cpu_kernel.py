@@ -16,19 +16,19 @@ are equal too (``test_matches_compiled_step``). Codes never depend on the sqrt.
 
 import pytest
 import torch
+from helpers import (
+    FORMAT_PAIRS,
+    KernelSetup,
+    assert_same_quantized,
+    available_isas,
+    make_scalars,
+    spread_gradient,
+)
 
-from lowbit_optim.formats import catalog as formats
-from lowbit_optim.state import QuantizedState
 from lowbit_optim.step import cpu_kernel
-from lowbit_optim.step.chunks import ParamStep, TailScratch
-from lowbit_optim.step.math import StepScalars
+from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.quantized import run_quantized_step
 
-FORMAT_PAIRS = {
-    "8bit": (formats.DYNAMIC_8BIT_SIGNED, formats.DYNAMIC_8BIT_UNSIGNED_NONZERO),
-    "4bit": (formats.DYNAMIC_4BIT_SIGNED, formats.LINEAR_4BIT_NONZERO),
-    "fp8": (formats.FLOAT8, formats.FLOAT8_NONZERO),
-}
 SHAPES = [(1,), (127,), (4097,), (123, 123)]
 
 
@@ -47,64 +47,6 @@ def kernel():
     return cpu_kernel
 
 
-def available_isas():
-    capability = torch.backends.cpu.get_cpu_capability()
-    isas = ["scalar"]
-    if "AVX2" in capability or "AVX512" in capability:
-        isas.append("avx2")
-    if "AVX512" in capability:
-        isas.append("avx512")
-    return isas
-
-
-def make_scalars(*, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, step=1):
-    as64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
-    return StepScalars(as64(lr), as64(betas[0]), as64(betas[1]), as64(eps), as64(weight_decay),
-                       torch.tensor(float(step)))
-
-
-def gradient(shape, dtype, generator):
-    """Gradients spanning many magnitudes within a block (every decade of the 8-bit map)."""
-    magnitude = 10 ** (torch.rand(shape, generator=generator) * 8 - 6)
-    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0)
-    return (magnitude * sign).to(dtype)
-
-
-class Setup:
-    """A parameter with states warmed by reference steps, and a copy of both to step again."""
-
-    def __init__(self, pair, shape, dtype, *, amsgrad, block_size=None, seed=0):
-        self.fmts = FORMAT_PAIRS[pair]
-        generator = torch.Generator().manual_seed(seed)
-        block_size = block_size or self.fmts[0].default_block_size
-        self.param = torch.randn(shape, generator=generator).to(dtype)
-        self.states = [QuantizedState.zeros(shape, fmt, block_size, dtype=dtype)
-                       for fmt in (self.fmts[0], self.fmts[1], self.fmts[1])[:3 if amsgrad else 2]]
-        self.generator = generator
-        self.dtype = dtype
-        for step in range(1, 4):
-            grad = gradient(shape, dtype, generator)
-            self.reference_step(self.param, self.states, grad, make_scalars(step=step))
-        self.step = 4
-
-    def entry(self, param, grad, states):
-        return ParamStep(param, grad, states[0], states[1], states[2] if len(states) == 3 else None, None)
-
-    def reference_step(self, param, states, grad, scalars, **flags):
-        flags = {"maximize": False, "stochastic_round": False, "decoupled_weight_decay": True, **flags}
-        run_quantized_step("eager", self.entry(param, grad, states), scalars, TailScratch(), **flags)
-
-    def copies(self):
-        return self.param.clone(), [s.clone() for s in self.states]
-
-
-def assert_same_state(states, expected_states):
-    for state, expected in zip(states, expected_states):
-        torch.testing.assert_close(state.scales, expected.scales, rtol=0, atol=0)
-        mismatched = (state.codes != expected.codes).nonzero()
-        assert mismatched.numel() == 0, f"{len(mismatched)} codes differ, first at {mismatched[:5].tolist()}"
-
-
 def run_both(setup, grad, scalars, isa, **flags):
     """Kernel and reference from the same inputs; returns (kernel, reference) params and states."""
     ref_param, ref_states = setup.copies()
@@ -121,10 +63,10 @@ def run_both(setup, grad, scalars, isa, **flags):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 def test_matches_reference_every_format_and_shape(kernel, ieee_sqrt, pair, shape, isa):
-    setup = Setup(pair, shape, torch.float32, amsgrad=False)
-    grad = gradient(shape, torch.float32, setup.generator)
+    setup = KernelSetup(pair, shape, torch.float32, amsgrad=False)
+    grad = spread_gradient(shape, torch.float32, setup.generator)
     (param, states), (ref_param, ref_states) = run_both(setup, grad, make_scalars(step=setup.step), isa)
-    assert_same_state(states, ref_states)
+    assert_same_quantized(states, ref_states)
     torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
 
 
@@ -142,24 +84,24 @@ FLAG_COMBOS = {
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 def test_matches_reference_every_dtype_and_flag(kernel, ieee_sqrt, pair, combo, dtype, isa):
     flags = dict(FLAG_COMBOS[combo])
-    setup = Setup(pair, (4097,), dtype, amsgrad=flags.pop("amsgrad", False))
-    grad = gradient((4097,), dtype, setup.generator)
+    setup = KernelSetup(pair, (4097,), dtype, amsgrad=flags.pop("amsgrad", False))
+    grad = spread_gradient((4097,), dtype, setup.generator)
     scalars = make_scalars(step=setup.step)
     (param, states), (ref_param, ref_states) = run_both(setup, grad, scalars, isa, **flags)
-    assert_same_state(states, ref_states)
+    assert_same_quantized(states, ref_states)
     torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
-def test_block_sizes_the_vectors_do_not_tile(kernel, ieee_sqrt, pair):
-    # 36 (4-bit: halves of 18) and 40 (8-bit) are multiples of neither 8 nor 16: the portable
-    # path steps such blocks whatever the CPU.
-    block_size = 36 if pair == "4bit" else 40
-    setup = Setup(pair, (1000,), torch.float32, amsgrad=True, block_size=block_size)
-    grad = gradient((1000,), torch.float32, setup.generator)
+def test_smallest_block_size(kernel, ieee_sqrt, pair):
+    # Block size 16, the smallest the optimizers accept: one AVX-512 vector per 8-bit block,
+    # and for 4-bit halves of 8 elements that an AVX-512 vector does not tile, so the portable
+    # path steps them there (AVX2's 8 lanes tile them).
+    setup = KernelSetup(pair, (1000,), torch.float32, amsgrad=True, block_size=16)
+    grad = spread_gradient((1000,), torch.float32, setup.generator)
     (param, states), (ref_param, ref_states) = run_both(setup, grad, make_scalars(step=setup.step),
                                                         cpu_kernel.default_isa())
-    assert_same_state(states, ref_states)
+    assert_same_quantized(states, ref_states)
     torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
 
 
@@ -168,8 +110,8 @@ def test_block_sizes_the_vectors_do_not_tile(kernel, ieee_sqrt, pair):
 def test_non_finite_huge_and_zero_gradients(kernel, ieee_sqrt, pair, isa):
     # NaN and inf gradients keep their elements; 1e30 overflows the second moment to inf,
     # which the scale ignores and the code stores as 1; a block of zeros keeps scale 0.
-    setup = Setup(pair, (4097,), torch.float32, amsgrad=True)
-    grad = gradient((4097,), torch.float32, setup.generator)
+    setup = KernelSetup(pair, (4097,), torch.float32, amsgrad=True)
+    grad = spread_gradient((4097,), torch.float32, setup.generator)
     grad[::97] = float("nan")
     grad[5::89] = float("inf")
     grad[7::91] = -float("inf")
@@ -180,22 +122,22 @@ def test_non_finite_huge_and_zero_gradients(kernel, ieee_sqrt, pair, isa):
         state.scales[:2] = 0.0
     setup.param, setup.states = param, states
     (param, states), (ref_param, ref_states) = run_both(setup, grad, make_scalars(step=setup.step), isa)
-    assert_same_state(states, ref_states)
+    assert_same_quantized(states, ref_states)
     torch.testing.assert_close(param, ref_param, rtol=0, atol=0, equal_nan=True)
     assert states[0].scales[0] == 0 and torch.isfinite(param).all()
 
 
 def test_non_contiguous_parameter(kernel, ieee_sqrt):
-    setup = Setup("4bit", (96, 130), torch.float32, amsgrad=False)
+    setup = KernelSetup("4bit", (96, 130), torch.float32, amsgrad=False)
     setup.param = setup.param.t().contiguous().t()  # same values, column-major
-    grad = gradient((96, 130), torch.float32, setup.generator)
+    grad = spread_gradient((96, 130), torch.float32, setup.generator)
     ref_param, ref_states = setup.param.clone().t().contiguous().t(), [s.clone() for s in setup.states]
     setup.reference_step(ref_param, ref_states, grad, make_scalars(step=setup.step))
     param, states = setup.param, setup.states
     cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, make_scalars(step=setup.step),
                               maximize=False, stochastic_round=False)
     assert not param.is_contiguous()
-    assert_same_state(states, ref_states)
+    assert_same_quantized(states, ref_states)
     torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
 
 
@@ -206,16 +148,16 @@ def test_bit_identical_at_1_and_3_threads(kernel, pair):
     results = []
     for threads in (1, 3):
         with num_threads(threads):
-            setup = Setup(pair, (300_001,), torch.bfloat16, amsgrad=True)
+            setup = KernelSetup(pair, (300_001,), torch.bfloat16, amsgrad=True)
             param, states = setup.copies()
             torch.manual_seed(1)
-            cpu_kernel.cpu_adamw_step(param, gradient((300_001,), torch.bfloat16, setup.generator), states[0],
-                                      states[1], states[2], make_scalars(step=setup.step), maximize=False,
-                                      stochastic_round=True)
+            grad = spread_gradient((300_001,), torch.bfloat16, setup.generator)
+            cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], states[2],
+                                      make_scalars(step=setup.step), maximize=False, stochastic_round=True)
             results.append((param, states))
     (param_1, states_1), (param_3, states_3) = results
     assert torch.equal(param_1.view(torch.int16), param_3.view(torch.int16))
-    assert_same_state(states_1, states_3)
+    assert_same_quantized(states_1, states_3)
 
 
 def test_bf16_stochastic_rounding_is_unbiased_and_seeded(kernel):
@@ -225,8 +167,8 @@ def test_bf16_stochastic_rounding_is_unbiased_and_seeded(kernel):
     (a hash of one draw from torch's generator and the element index), not the compiled
     step's ``randint_like``: both are unbiased, their bits differ."""
     numel = 200_000
-    setup = Setup("4bit", (numel,), torch.bfloat16, amsgrad=False)
-    grad = gradient((numel,), torch.bfloat16, setup.generator)
+    setup = KernelSetup("4bit", (numel,), torch.bfloat16, amsgrad=False)
+    grad = spread_gradient((numel,), torch.bfloat16, setup.generator)
     scalars = make_scalars(lr=3e-3, step=setup.step)
     exact, exact_states = setup.param.float(), [s.clone() for s in setup.states]
     cpu_kernel.cpu_adamw_step(exact, grad.float(), *exact_states, None, scalars, maximize=False,
@@ -237,7 +179,7 @@ def test_bf16_stochastic_rounding_is_unbiased_and_seeded(kernel):
         torch.manual_seed(seed)
         cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
                                   stochastic_round=True)
-        assert_same_state(states, exact_states)
+        assert_same_quantized(states, exact_states)
         rounded.append(param)
     assert torch.equal(rounded[0], rounded[1]) and not torch.equal(rounded[0], rounded[2])
 
@@ -256,8 +198,8 @@ def test_bf16_stochastic_rounding_is_unbiased_and_seeded(kernel):
 def test_matches_compiled_step(kernel):
     """Against ``backend="compile"`` unpatched: Inductor's sqrt is the IEEE one too."""
     for pair in FORMAT_PAIRS:
-        setup = Setup(pair, (4097,), torch.float32, amsgrad=False)
-        grad = gradient((4097,), torch.float32, setup.generator)
+        setup = KernelSetup(pair, (4097,), torch.float32, amsgrad=False)
+        grad = spread_gradient((4097,), torch.float32, setup.generator)
         scalars = make_scalars(step=setup.step)
         compiled_param, compiled_states = setup.copies()
         run_quantized_step("compile", setup.entry(compiled_param, grad, compiled_states), scalars,
@@ -265,18 +207,18 @@ def test_matches_compiled_step(kernel):
         param, states = setup.copies()
         cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
                                   stochastic_round=False)
-        assert_same_state(states, compiled_states)
+        assert_same_quantized(states, compiled_states)
         torch.testing.assert_close(param, compiled_param, rtol=0, atol=0)
 
 
 def test_eager_reference_is_within_its_sqrt_rounding(kernel):
     """Unpatched eager: codes equal; parameters differ only where torch's eager sqrt is one
     ulp off, by at most 4 ulps of the update ``step_size * m / denom``."""
-    setup = Setup("8bit", (123, 123), torch.float32, amsgrad=False)
-    grad = gradient((123, 123), torch.float32, setup.generator)
+    setup = KernelSetup("8bit", (123, 123), torch.float32, amsgrad=False)
+    grad = spread_gradient((123, 123), torch.float32, setup.generator)
     (param, states), (ref_param, ref_states) = run_both(setup, grad, make_scalars(step=setup.step),
                                                         cpu_kernel.default_isa())
-    assert_same_state(states, ref_states)
+    assert_same_quantized(states, ref_states)
     update = (ref_param - setup.param).abs()
     ulp = torch.finfo(torch.float32).eps * torch.maximum(update, ref_param.abs())
     assert ((param - ref_param).abs() <= 4 * ulp).all()

@@ -1,5 +1,6 @@
-"""The C++ CPU step with master weights: a bfloat16 parameter and its int8 (24-bit) or int16
-(32-bit) correction read as the float32 master weight, updated and split again in the kernel.
+"""The C++ CPU step with master weights: a bfloat16 or float16 parameter and its int8 (24-bit)
+or int16 (32-bit) correction read as the float32 master weight, updated and split again in
+the kernel (bfloat16's bit split, float16's scaled residual: lowbit_optim.step.master_weights).
 
 Exact comparisons, as in tests/test_cpu_kernel.py: parameters (their bits), corrections,
 codes and scales against the compiled step, and against the eager step with a correctly
@@ -11,15 +12,24 @@ from a few eager steps with master weights, so they are not the fresh all-zero o
 import pytest
 import torch
 from conftest import num_threads
-from test_cpu_kernel import FORMAT_PAIRS, Setup, assert_same_state, available_isas, gradient, make_scalars
+from helpers import (
+    FORMAT_PAIRS,
+    KernelSetup,
+    assert_same_quantized,
+    available_isas,
+    make_scalars,
+    spread_gradient,
+)
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.chunks import TailScratch
-from lowbit_optim.step.master_weights import correction_dtype, zeros_correction
+from lowbit_optim.step.master_weights import correction_dtype, write_master, zeros_correction
 from lowbit_optim.step.quantized import run_quantized_step
 
 SHAPES = [(1,), (4097,), (123, 123)]  # one element, a partial last block, a 2-D parameter
+DTYPES = [torch.bfloat16, torch.float16]
+FLAGS = {"plain": {}, "all": dict(amsgrad=True, maximize=True, decoupled_weight_decay=False)}
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +45,14 @@ def ieee_sqrt(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "sqrt", lambda self: eager_sqrt(self.double()).to(self.dtype))
 
 
-class MasterSetup(Setup):
-    """``Setup`` for a bfloat16 parameter with a master weight correction, warmed by eager
-    steps of the master weight (so the correction holds real remainders)."""
+class MasterSetup(KernelSetup):
+    """``KernelSetup`` for a bfloat16 or float16 parameter with a master weight correction,
+    warmed by eager steps of the master weight (so the correction holds real remainders)."""
 
-    def __init__(self, pair, shape, bits, *, amsgrad, seed=0):
+    def __init__(self, pair, shape, bits, *, dtype, amsgrad, seed=0):
         self.correction = None
         self.bits = bits
-        super().__init__(pair, shape, torch.bfloat16, amsgrad=amsgrad, seed=seed)
+        super().__init__(pair, shape, dtype, amsgrad=amsgrad, seed=seed)
 
     def entry(self, param, grad, states, correction=None):
         if correction is None:
@@ -82,22 +92,30 @@ def reference(setup, grad, scalars, backend, **flags):
 
 def assert_same_master(result, expected):
     (param, states, correction), (ref_param, ref_states, ref_correction) = result, expected
-    assert_same_state(states, ref_states)
+    assert_same_quantized(states, ref_states)
     assert torch.equal(param.view(torch.int16), ref_param.view(torch.int16))
     assert correction.dtype == ref_correction.dtype and torch.equal(correction, ref_correction)
 
 
+def dtype_id(value):
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
 @pytest.mark.parametrize("bits", [24, 32])
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
-def test_matches_compiled_step_with_master_weights(kernel, pair, bits):
-    """amsgrad and L2 weight decay on a parameter with a partial last block, every path, at 1
-    and 3 threads, against ``backend="compile"`` unpatched. 300_001 elements are over a
-    thousand blocks: the kernel shares them out in several tasks at 3 threads."""
-    flags = dict(decoupled_weight_decay=False)
-    shape = (300_001,)
-    setup = MasterSetup(pair, shape, bits, amsgrad=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_matches_compiled_step_with_master_weights(kernel, dtype, pair, bits):
+    """Every path, at 1 and 3 threads, against ``backend="compile"`` unpatched, on a parameter
+    with a partial last block. 140_001 elements make three tasks of at most 65536 (the
+    kernel's grain) at 3 threads, for every block size. bfloat16 with amsgrad and L2 weight decay;
+    float16 with the optimizer's default flags, whose compiled graphs tests/test_master_weights.py
+    and the last test here compile too (float16 with amsgrad and L2 weight decay is compared
+    with the eager reference below)."""
+    flags = dict(decoupled_weight_decay=False) if dtype == torch.bfloat16 else {}
+    shape = (140_001,)
+    setup = MasterSetup(pair, shape, bits, dtype=dtype, amsgrad=dtype == torch.bfloat16)
     assert setup.correction.dtype == correction_dtype(bits) and setup.correction.any()
-    grad = gradient(shape, torch.bfloat16, setup.generator)
+    grad = spread_gradient(shape, dtype, setup.generator)
     scalars = make_scalars(step=setup.step)
     expected = reference(setup, grad, scalars, "compile", **flags)
     assert not torch.equal(expected[2], setup.correction)  # the step changed the corrections
@@ -109,24 +127,27 @@ def test_matches_compiled_step_with_master_weights(kernel, pair, bits):
 
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("maximize", [False, True], ids=["plain", "maximize"])
+@pytest.mark.parametrize("flags", FLAGS)
 @pytest.mark.parametrize("bits", [24, 32])
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
-def test_matches_reference_with_master_weights(kernel, ieee_sqrt, pair, bits, maximize, shape, isa):
-    setup = MasterSetup(pair, shape, bits, amsgrad=False)
-    grad = gradient(shape, torch.bfloat16, setup.generator)
-    scalars = make_scalars(step=setup.step, lr=1e-4)  # updates below a bfloat16 ulp, kept by the master
-    result = kernel_step(setup, grad, scalars, isa, maximize=maximize)
-    assert_same_master(result, reference(setup, grad, scalars, "eager", maximize=maximize))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_matches_reference_with_master_weights(kernel, ieee_sqrt, dtype, pair, bits, flags, shape, isa):
+    flags = dict(FLAGS[flags])
+    setup = MasterSetup(pair, shape, bits, dtype=dtype, amsgrad=flags.pop("amsgrad", False))
+    grad = spread_gradient(shape, dtype, setup.generator)
+    scalars = make_scalars(step=setup.step, lr=1e-4)  # updates below a parameter ulp, kept by the master
+    result = kernel_step(setup, grad, scalars, isa, **flags)
+    assert_same_master(result, reference(setup, grad, scalars, "eager", **flags))
 
 
 @pytest.mark.parametrize("bits", [24, 32])
-def test_non_finite_gradients_keep_the_master_weight(kernel, ieee_sqrt, bits):
-    setup = MasterSetup("8bit", (4097,), bits, amsgrad=True)
-    grad = gradient((4097,), torch.bfloat16, setup.generator)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_non_finite_gradients_keep_the_master_weight(kernel, ieee_sqrt, dtype, bits):
+    setup = MasterSetup("8bit", (4097,), bits, dtype=dtype, amsgrad=True)
+    grad = spread_gradient((4097,), dtype, setup.generator)
     grad[::97] = float("nan")
     grad[5::89] = float("inf")
-    grad[11::83] = 1e30
+    grad[11::83] = 1e30 if dtype == torch.bfloat16 else 6e4  # the largest moments each dtype allows
     scalars = make_scalars(step=setup.step)
     for isa in available_isas():
         param, states, correction = kernel_step(setup, grad, scalars, isa)
@@ -136,47 +157,75 @@ def test_non_finite_gradients_keep_the_master_weight(kernel, ieee_sqrt, bits):
         assert torch.equal(correction[kept], setup.correction[kept])
 
 
-def test_non_contiguous_parameter_and_correction(kernel, ieee_sqrt):
-    setup = MasterSetup("4bit", (96, 130), 24, amsgrad=False)
-    setup.param = setup.param.t().contiguous().t()  # same values, column-major
-    setup.correction = setup.correction.t().contiguous().t()
-    grad = gradient((96, 130), torch.bfloat16, setup.generator)
-    scalars = make_scalars(step=setup.step)
+@pytest.mark.parametrize("bits", [24, 32])
+def test_float16_edge_values_match_the_reference(kernel, ieee_sqrt, bits):
+    """Master weights at float16's edges, on every path: zeros, subnormals, 2**-15 (where
+    int16 corrections become exact), binade edges, the largest float16 and a weight that
+    overflows past it (the parameter becomes inf, its correction 0), inf and NaN (one quiet
+    NaN, 0x7E00)."""
+    setup = MasterSetup("4bit", (4097,), bits, dtype=torch.float16, amsgrad=False)
+    below_overflow = 65520.0 - 2.0**-8  # the largest float32 below float16's overflow midpoint
+    edges = torch.tensor([0.0, -0.0, 2.0**-24, -3 * 2.0**-24 + 2.0**-33, 2.0**-20 + 2.0**-37, 2.0**-15,
+                          -(2.0**-14) + 2.0**-40, 1.0 - 2.0**-24, 2.0 + 2.0**-12, 2048.0 - 2.0**-11, 65504.0,
+                          below_overflow, -below_overflow, float("inf"), -float("inf"), float("nan")])
+    write_master(setup.param[:16], setup.correction[:16], edges)
+    grad = spread_gradient((4097,), torch.float16, setup.generator)
+    # A gradient that dominates the warmed moments pushes the two largest weights past 65520
+    # (float16 inf) at lr 1e-2 without weight decay: an update of ~0.6 * lr. (A 24-bit master
+    # weight holds them as 65520 already: inf from the start.)
+    grad[11:13] = torch.tensor([-1e4, 1e4])
+    scalars = make_scalars(step=setup.step, lr=1e-2, weight_decay=0.0)
     expected = reference(setup, grad, scalars, "eager")
-    param, states, correction = setup.copies()  # clones keep the column-major strides
-    cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
-                              stochastic_round=False, weight_correction=correction)
-    assert not param.is_contiguous() and not correction.is_contiguous()
-    assert_same_master((param, states, correction), expected)
+    param = expected[0]
+    assert torch.isinf(param[11:15].float()).all() and (param[15:16].view(torch.int16) == 0x7E00).all()
+    assert not expected[2][11:16].any()
+    for isa in available_isas():
+        assert_same_master(kernel_step(setup, grad, scalars, isa), expected)
+
+
+def test_non_contiguous_parameter_and_correction(kernel, ieee_sqrt):
+    for dtype in DTYPES:
+        setup = MasterSetup("4bit", (96, 130), 24, dtype=dtype, amsgrad=False)
+        setup.param = setup.param.t().contiguous().t()  # same values, column-major
+        setup.correction = setup.correction.t().contiguous().t()
+        grad = spread_gradient((96, 130), dtype, setup.generator)
+        scalars = make_scalars(step=setup.step)
+        expected = reference(setup, grad, scalars, "eager")
+        param, states, correction = setup.copies()  # clones keep the column-major strides
+        cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
+                                  stochastic_round=False, weight_correction=correction)
+        assert not param.is_contiguous() and not correction.is_contiguous()
+        assert_same_master((param, states, correction), expected)
 
 
 def test_the_operator_refuses_what_master_weights_exclude(kernel):
-    setup = MasterSetup("4bit", (300,), 24, amsgrad=False)
-    grad = gradient((300,), torch.bfloat16, setup.generator)
+    setup = MasterSetup("4bit", (300,), 24, dtype=torch.bfloat16, amsgrad=False)
+    grad = spread_gradient((300,), torch.bfloat16, setup.generator)
     param, states, correction = setup.copies()
     with pytest.raises(RuntimeError, match="stochastic rounding with a weight correction"):
         cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, make_scalars(step=setup.step),
                                   maximize=False, stochastic_round=True, weight_correction=correction)
-    with pytest.raises(RuntimeError, match="needs a bfloat16 parameter"):
-        cpu_kernel.cpu_adamw_step(param.half(), grad.half(), states[0], states[1], None,
+    with pytest.raises(RuntimeError, match="needs a bfloat16 or float16 parameter, got Float"):
+        cpu_kernel.cpu_adamw_step(param.float(), grad.float(), states[0], states[1], None,
                                   make_scalars(step=setup.step), maximize=False, stochastic_round=False,
                                   weight_correction=correction)
     assert torch.equal(param.view(torch.int16), setup.param.view(torch.int16))  # nothing written
 
 
 @pytest.mark.parametrize("optimizer_class", [AdamW8bit, AdamW4bit, AdamWFp8], ids=lambda c: c.__name__)
-def test_optimizer_with_master_weights_takes_the_kernel_and_matches_compiled(kernel, optimizer_class):
-    """``backend="cpu"`` sends bfloat16 parameters with master weights to the kernel (the
-    small bias keeps float moments) and follows ``backend="compile"`` bit for bit."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_optimizer_with_master_weights_takes_the_kernel_and_matches_compiled(kernel, dtype, optimizer_class):
+    """``backend="cpu"`` sends bfloat16 and float16 parameters with master weights to the
+    kernel (the small bias keeps float moments) and follows ``backend="compile"`` bit for bit."""
 
     def run(backend):
         torch.manual_seed(0)
-        model = torch.nn.Linear(96, 130).to(torch.bfloat16)
+        model = torch.nn.Linear(96, 130).to(dtype)
         optimizer = optimizer_class(model.parameters(), lr=1e-4, backend=backend, master_weight_bits=24)
         for step in range(3):
             generator = torch.Generator().manual_seed(step)
             for param in model.parameters():
-                param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+                param.grad = torch.randn(param.shape, generator=generator).to(dtype)
             optimizer.step()
         return model, optimizer
 

@@ -40,9 +40,11 @@ from lowbit_optim import (  # noqa: E402
     CPUOffloadOptimizer,
     FactoredState,
     QuantizedState,
+    master_weights_state_dict,
 )
 from lowbit_optim.integrations.transformers import OFFLOAD_OPTIMIZERS, OPTIMIZERS, register  # noqa: E402
 from lowbit_optim.step.dispatch import resolve_backend  # noqa: E402
+from lowbit_optim.step.master_weights import CORRECTION_KEY  # noqa: E402
 
 SEQ_LEN = 64
 STEPS, SAVE_AT, ACCUMULATION, MAX_GRAD_NORM = 20, 10, 2, 2.0
@@ -327,6 +329,23 @@ def test_trainer_with_the_optim_string(short_runs, optim):
         for (name, expected), actual in zip(short_runs(plain).model.named_parameters(),
                                             trainer.model.parameters(), strict=True):
             assert torch.equal(actual, expected), name
+
+
+def test_trainer_trains_a_float16_model_with_24_bit_master_weights(tmp_path):
+    """``optim_args="master_weight_bits=24"`` with a float16 model: every parameter keeps an
+    int8 correction (float16's scaled residual) and the master weights export as float32."""
+    args = training_args(tmp_path, optim="lowbit_adamw_8bit", max_steps=3, warmup_steps=0, save_strategy="no",
+                         optim_args="master_weight_bits=24,backend=eager")
+    trainer = Trainer(model=tiny_gpt2().half(), args=args, train_dataset=byte_dataset(40))
+    trainer.train()
+    optimizer = inner(trainer.optimizer)
+    assert optimizer.defaults["master_weight_bits"] == 24
+    corrections = [optimizer.state[p][CORRECTION_KEY] for p in trainer.model.parameters()]
+    assert all(c.dtype == torch.int8 for c in corrections) and any(c.any() for c in corrections)
+    exported = master_weights_state_dict(trainer.model, optimizer)
+    assert all(exported[name].dtype == torch.float32 for name, _ in trainer.model.named_parameters())
+    losses = [entry["loss"] for entry in step_logs(trainer)]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
 
 
 def test_loss_goes_down(full_run):

@@ -14,6 +14,7 @@ import torch
 from lowbit_optim.step.master_weights import read_master, split_master
 
 FLOAT16_MAX_ROUNDING_DOWN = 65520.0  # the float16 midpoint past 65504: it and above round to inf
+FLOAT16_MAX_24_BIT = 65519.875  # from here up a 24-bit master weight rounds to 65520 (inf)
 SMALLEST_EXACT = 2.0**-15  # float16 32-bit master weights are exact from here up
 SUBNORMAL_UNIT = 2.0**-38  # the 32-bit correction's unit below 2**-14
 
@@ -103,11 +104,12 @@ def test_float16_with_int16_below_2_to_the_minus_15_rounds_to_a_multiple_of_2_to
 
 def test_float16_with_int8_keeps_18_significant_bits():
     values = float16_cases()
-    values = values[values.abs() < FLOAT16_MAX_ROUNDING_DOWN]
+    values = values[values.abs() < FLOAT16_MAX_24_BIT]
     param, correction = split_master(values, torch.float16, torch.int8)
-    assert torch.equal(param.view(torch.int16), values.to(torch.float16).view(torch.int16))
     assert correction.abs().max() == 64  # half a float16 ulp in units of 2**-7 of it
-    exponent = float16_exponent(param).double()
+    # E: the exponent of values' own rounding (the parameter's, but for a master weight that
+    # is a float16 midpoint, whose parameter is the even neighbour: test below).
+    exponent = float16_exponent(values.to(torch.float16)).double()
     master = read_master(param, correction).double()
     # The master is values rounded to a multiple of 2**(E - 17), half to even.
     unit = torch.exp2(exponent - 17)
@@ -119,17 +121,47 @@ def test_float16_with_int8_keeps_18_significant_bits():
 
 
 @pytest.mark.parametrize("correction_dtype", [torch.int8, torch.int16], ids=str)
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_parameter_is_its_master_weight_rounded_and_a_pair_splits_back_unchanged(param_dtype,
+                                                                                   correction_dtype):
+    # A step that keeps an element's master weight (a NaN gradient) reads and splits it again:
+    # parameter and correction must come back as they were.
+    values = float16_cases() if param_dtype == torch.float16 else random_float32_of_every_binade()
+    param, correction = split_master(values, param_dtype, correction_dtype)
+    master = read_master(param, correction)
+    again = split_master(master, param_dtype, correction_dtype)
+    assert torch.equal(again[0].view(torch.int16), param.view(torch.int16))
+    assert torch.equal(again[1], correction)
+    if param_dtype == torch.float16:
+        finite = torch.isfinite(master)
+        rounded = master[finite].to(torch.float16)
+        assert torch.equal(param[finite].view(torch.int16), rounded.view(torch.int16))
+        # values' own rounding differs only where the master weight is the midpoint between it
+        # and the parameter (int16: only below 2**-15, where the master is rounded too).
+        own = values.to(torch.float16)
+        moved = (param.view(torch.int16) != own.view(torch.int16)) & finite
+        assert moved.any() and torch.equal(master[moved], (param[moved].float() + own[moved].float()) / 2)
+        if correction_dtype == torch.int16:
+            assert (values[moved].abs() < SMALLEST_EXACT).all()
+
+
+@pytest.mark.parametrize("correction_dtype", [torch.int8, torch.int16], ids=str)
 def test_float16_overflow_gives_inf_with_no_correction(correction_dtype):
-    largest_below = torch.tensor(FLOAT16_MAX_ROUNDING_DOWN).view(torch.int32) - 1
-    values = torch.tensor([65520.0, -65520.0, 1e30, -3.4e38, 65504.0])
-    values = torch.cat([values, largest_below.view(torch.float32).reshape(1)])
+    largest_below = (torch.tensor(FLOAT16_MAX_ROUNDING_DOWN).view(torch.int32) - 1).view(torch.float32)
+    # The 24-bit master weight of the largest float32 below 65520 is 65520 itself: inf too.
+    int8 = correction_dtype == torch.int8
+    overflowing = [65520.0, -65520.0, 1e30, -3.4e38] + ([largest_below.item()] if int8 else [])
+    below = [65504.0, 65519.875 - 2**-8] + ([] if int8 else [largest_below.item()])
+    values = torch.tensor(overflowing + below)
     param, correction = split_master(values, torch.float16, correction_dtype)
     master = read_master(param, correction)
-    assert torch.equal(param[:4].float(), torch.tensor([1, -1, 1, -1]) * torch.tensor(float("inf")))
-    assert torch.equal(master[:4], param[:4].float()) and not correction[:4].any()
-    assert param[4] == param[5] == 65504.0  # the largest float16 holds the rest
+    count = len(overflowing)
+    assert torch.isinf(param[:count]).all()
+    assert torch.equal(torch.sign(param[:count].float()), torch.sign(values[:count]))
+    assert torch.equal(master[:count], param[:count].float()) and not correction[:count].any()
+    assert (param[count:] == 65504.0).all()  # the largest float16 holds the rest
     if correction_dtype == torch.int16:
-        assert same_bits(master[4:], values[4:])
+        assert same_bits(master[count:], values[count:])
 
 
 def test_float16_nan_becomes_one_quiet_nan():

@@ -1,9 +1,12 @@
-"""``master_weight_bits``: bfloat16 parameters with a 24- or 32-bit master weight kept as an
-integer correction in the optimizer state (lowbit_optim.step.master_weights).
+"""``master_weight_bits``: bfloat16 and float16 parameters with a 24- or 32-bit master weight
+kept as an integer correction in the optimizer state (lowbit_optim.step.master_weights; its
+encodings value by value: tests/test_master_weight_encoding.py).
 
-The reference is the same optimizer over float32 parameters given the same gradients (bfloat16
-values, so both runs read identical gradients): with 32 bits the bfloat16 run's master
-weights are that run's parameters bit for bit; with 24 bits within the rounding bound below.
+The reference is the same optimizer over float32 parameters given the same gradients (values
+of the low-precision dtype, so both runs read identical gradients): with 32 bits the low-
+precision run's master weights are that run's parameters bit for bit (for float16: while
+every weight stays at or above 2**-15 in magnitude, which the runs here check); with 24 bits
+within the rounding bound below.
 """
 
 import copy
@@ -28,19 +31,35 @@ from lowbit_optim.step.master_weights import CORRECTION_KEY, read_master, split_
 # whole, and small (float moments, the flat float-state step).
 SHAPES = [(300, 70), (64, 64), (33,), (7, 5)]
 STEPS = 6
+DTYPES = [torch.bfloat16, torch.float16]
+# float16 master weights are float32 bit for bit from this magnitude up (master_weights).
+FLOAT16_EXACT_FROM = 2.0**-15
+# The 24-bit master's rounding per step, relative to the weight and absolute: bfloat16 keeps
+# 16 significant bits (128 float32 ulps, 2**-16 relative); float16 18 (2**-18 of the
+# parameter's binade, 2**-17 of a weight that rounded up into it), and 2**-32 below 2**-14,
+# where the int8's unit is 2**-31.
+ROUNDING_24 = {torch.bfloat16: (2.0**-16, 0.0), torch.float16: (2.0**-17, 2.0**-32)}
 
 
-def params_pair(shapes=SHAPES, scale=0.02):
-    """float32 parameters holding bfloat16 values, and bfloat16 copies of them."""
-    fp32 = [torch.nn.Parameter((torch.randn(shape) * scale).bfloat16().float()) for shape in shapes]
-    bf16 = [torch.nn.Parameter(p.detach().bfloat16()) for p in fp32]
-    return fp32, bf16
+def params_pair(shapes=SHAPES, scale=0.02, dtype=torch.bfloat16, *, away_from_zero=False):
+    """float32 parameters holding ``dtype`` values, and ``dtype`` copies of them.
+    ``away_from_zero``: magnitudes from ``scale / 2`` to ``1.5 * scale``, so that a few small
+    steps keep every weight far above float16's exact range's lower end."""
+    fp32 = []
+    for shape in shapes:
+        values = torch.randn(shape) * scale
+        if away_from_zero:
+            values = torch.copysign(torch.rand(shape) * scale + scale / 2, values)
+        fp32.append(torch.nn.Parameter(values.to(dtype).float()))
+    low = [torch.nn.Parameter(p.detach().to(dtype)) for p in fp32]
+    return fp32, low
 
 
 def set_gradients(*param_lists):
-    """The same bfloat16-valued gradient for the corresponding parameters of every list."""
+    """The same gradient for the corresponding parameters of every list, with values of the
+    last list's dtype (the low-precision one: float32 holds them exactly)."""
     for params in zip(*param_lists):
-        grad = torch.randn(params[0].shape).bfloat16()
+        grad = torch.randn(params[0].shape).to(params[-1].dtype)
         for param in params:
             param.grad = grad.to(param.dtype)
 
@@ -53,64 +72,86 @@ def same_bits(a, b):
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("name, backend", [
+def assert_float16_exact_range(params):
+    """The precondition of float16's bit-for-bit master weights, checked on the reference."""
+    assert all((p.detach().abs() >= FLOAT16_EXACT_FROM).all() for p in params)
+
+
+BIT_FOR_BIT = [(dtype, name, backend) for dtype in DTYPES for name, backend in [
     ("AdamW4bit", "eager"), ("AdamW4bit", "compile"), ("AdamW8bit", "compile"), ("AdamW8bit", "cpu"),
-    ("AdamWFactored4bit", "eager"), ("Adam4bit", "eager"),
-])
-def test_bf16_model_with_32_bit_master_weights_follows_the_fp32_model_bit_for_bit(name, backend):
+    ("AdamWFp8", "eager"), ("AdamWFactored4bit", "eager"), ("Adam4bit", "eager"), ("Lion8bit", "eager"),
+    ("AdEMAMix8bit", "eager"),
+]] + [(torch.float16, "Lion8bit", "compile")]
+
+
+@pytest.mark.parametrize("dtype, name, backend", BIT_FOR_BIT, ids=lambda v: str(v).removeprefix("torch."))
+def test_32_bit_master_weights_follow_the_fp32_model_bit_for_bit(dtype, name, backend):
     optimizer_class = getattr(lowbit_optim, name)
-    fp32, bf16 = params_pair()
+    fp32, low = params_pair(dtype=dtype, away_from_zero=dtype == torch.float16)
     options = dict(lr=1e-3, weight_decay=0.1, backend=backend)
     reference = optimizer_class(fp32, **options)
-    optimizer = optimizer_class(bf16, master_weight_bits=32, **options)
+    optimizer = optimizer_class(low, master_weight_bits=32, **options)
     for _ in range(STEPS):
-        set_gradients(fp32, bf16)
+        set_gradients(fp32, low)
         reference.step()
         optimizer.step()
-    for expected, master, param in zip(fp32, masters(optimizer, bf16), bf16):
+        if dtype == torch.float16:
+            assert_float16_exact_range(fp32)
+    for expected, master, param in zip(fp32, masters(optimizer, low), low):
         assert same_bits(master, expected.detach())
-        # The parameter the model sees is the master weight rounded (half up in bit space).
-        assert torch.equal(param.detach(), split_master(expected.detach(), torch.bfloat16, torch.int16)[0])
+        # The parameter the model sees is the master weight rounded: half up in bit space for
+        # bfloat16, to nearest even for float16.
+        assert torch.equal(param.detach(), split_master(expected.detach(), dtype, torch.int16)[0])
 
 
-def test_compiled_factored_step_with_32_bit_master_weights_differs_only_by_its_row_sums():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compiled_factored_step_with_32_bit_master_weights_differs_only_by_its_row_sums(dtype):
     # The compiled statistics pass sums each row of the squared gradient in an order Inductor
-    # picks by the gradient's dtype (bfloat16 here, float32 in the reference), so the row
-    # statistics differ in their last bits (measured: the column statistics and the first
-    # moment's codes stay equal). The update computed from them is exact; the master weights
-    # then differ by the step's relative rounding of a statistic, ~2**-24 of an update of size
-    # <= lr * (Adam's ratio bound, ~3 in 6 steps) per step.
-    fp32, bf16 = params_pair()
+    # picks by the gradient's dtype (bfloat16 or float16 here, float32 in the reference), so
+    # the row statistics differ in their last bits (measured: the column statistics and the
+    # first moment's codes stay equal). The update computed from them is exact; the master
+    # weights then differ by the step's relative rounding of a statistic, ~2**-24 of an update
+    # of size <= lr * (Adam's ratio bound, ~3 in 6 steps) per step.
+    fp32, low = params_pair(dtype=dtype, away_from_zero=dtype == torch.float16)
     reference = AdamWFactored4bit(fp32, lr=1e-3, weight_decay=0.1, backend="compile")
-    optimizer = AdamWFactored4bit(bf16, lr=1e-3, weight_decay=0.1, backend="compile", master_weight_bits=32)
+    optimizer = AdamWFactored4bit(low, lr=1e-3, weight_decay=0.1, backend="compile", master_weight_bits=32)
     for _ in range(STEPS):
-        set_gradients(fp32, bf16)
+        set_gradients(fp32, low)
         reference.step()
         optimizer.step()
-    gaps = [(m - p.detach()).abs().max().item() for m, p in zip(masters(optimizer, bf16), fp32)]
+    gaps = [(m - p.detach()).abs().max().item() for m, p in zip(masters(optimizer, low), fp32)]
     assert max(gaps) <= STEPS * 1e-3 * 3 * 2**-20
     assert gaps[2] == 0 and gaps[3] == 0  # the small (float-state) parameters: bit for bit
 
 
-def test_bf16_model_with_24_bit_master_weights_stays_within_its_rounding_of_fp32():
+BOUNDED_24 = [(dtype, name, backend) for dtype in DTYPES for name, backend in [
+    ("AdamW4bit", None), ("AdamW8bit", "compile"), ("AdamWFp8", "eager"), ("AdamWFactored4bit", "eager"),
+    ("Lion8bit", "eager"),
+]]
+
+
+@pytest.mark.parametrize("dtype, name, backend", BOUNDED_24, ids=lambda v: str(v).removeprefix("torch."))
+def test_24_bit_master_weights_stay_within_their_rounding_of_fp32(dtype, name, backend):
     # Given the same gradients both runs have the same moments, so the master weights differ
-    # only by the 24-bit rounding of each step (at most 128 float32 ulps, 2**-16 relative), the
-    # float32 rounding of the update computed from two slightly different weights (1 ulp,
-    # 2**-23 relative, each side) and the weight decay's contraction of the gap (factor < 1):
-    # after n steps |m24 - m32| <= n * (2**-16 + 2**-22) * max over the steps of |m32|.
-    fp32, bf16 = params_pair(scale=1.0)
-    reference = AdamW4bit(fp32, lr=1e-3, weight_decay=0.1)
-    optimizer = AdamW4bit(bf16, lr=1e-3, weight_decay=0.1, master_weight_bits=24)
+    # only by the 24-bit rounding of each step (ROUNDING_24), the float32 rounding of the
+    # update computed from two slightly different weights (1 ulp, 2**-23 relative, each side)
+    # and the weight decay's contraction of the gap (factor < 1): after n steps
+    # |m24 - m32| <= n * ((relative + 2**-22) * max over the steps of |m32| + absolute).
+    relative, absolute = ROUNDING_24[dtype]
+    fp32, low = params_pair(scale=1.0, dtype=dtype)
+    optimizer_class = getattr(lowbit_optim, name)
+    reference = optimizer_class(fp32, lr=1e-3, weight_decay=0.1, backend=backend)
+    optimizer = optimizer_class(low, lr=1e-3, weight_decay=0.1, backend=backend, master_weight_bits=24)
     largest = [p.detach().abs() for p in fp32]
     for step in range(1, 21):
-        set_gradients(fp32, bf16)
+        set_gradients(fp32, low)
         reference.step()
         optimizer.step()
         largest = [torch.maximum(m, p.detach().abs()) for m, p in zip(largest, fp32)]
-        for expected, master, bound in zip(fp32, masters(optimizer, bf16), largest):
+        for expected, master, bound in zip(fp32, masters(optimizer, low), largest):
             gap = (master - expected.detach()).abs()
-            assert (gap <= step * (2**-16 + 2**-22) * bound).all()
-    assert any(not same_bits(m, p.detach()) for m, p in zip(masters(optimizer, bf16), fp32))
+            assert (gap <= step * ((relative + 2**-22) * bound + absolute)).all()
+    assert any(not same_bits(m, p.detach()) for m, p in zip(masters(optimizer, low), fp32))
 
 
 def test_bf16_at_lr_1e_5_loses_updates_without_master_weights_and_tracks_fp32_with_24_bits():
@@ -133,14 +174,15 @@ def test_bf16_at_lr_1e_5_loses_updates_without_master_weights_and_tracks_fp32_wi
     assert (masters(optimizers[2], master_24)[0] - fp32[0].detach()).abs().max() <= 20 * 2**-16 * 0.2
 
 
-def test_master_weights_resume_bit_for_bit_from_a_saved_state_dict(tmp_path):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_master_weights_resume_bit_for_bit_from_a_saved_state_dict(tmp_path, dtype):
     def run(params, optimizer, steps):
         for step in steps:
             torch.manual_seed(step)
             set_gradients(params)
             optimizer.step()
 
-    _, straight = params_pair()
+    _, straight = params_pair(dtype=dtype)
     resumed = [torch.nn.Parameter(p.detach().clone()) for p in straight]
     options = dict(lr=1e-3, master_weight_bits=24)
     straight_optimizer = AdamW4bit(straight, **options)
@@ -153,12 +195,13 @@ def test_master_weights_resume_bit_for_bit_from_a_saved_state_dict(tmp_path):
     assert second.state[resumed[0]][CORRECTION_KEY].dtype == torch.int8
     run(resumed, second, range(3, 6))
     for a, b in zip(straight, resumed):
-        assert torch.equal(a.detach(), b.detach())
+        assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))
         assert torch.equal(straight_optimizer.state[a][CORRECTION_KEY], second.state[b][CORRECTION_KEY])
 
 
-def test_a_state_dict_saved_without_master_weights_loads_with_zero_corrections():
-    _, params = params_pair()
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_state_dict_saved_without_master_weights_loads_with_zero_corrections(dtype):
+    _, params = params_pair(dtype=dtype)
     plain = AdamW4bit(params)
     set_gradients(params)
     plain.step()
@@ -202,8 +245,9 @@ def test_float32_parameters_keep_no_correction_and_none_adds_no_state():
         assert all(CORRECTION_KEY not in optimizer.state[p] for p in params)
 
 
-def test_state_bytes_of_bf16_with_24_bit_master_weights_and_4bit_moments():
-    params = [torch.nn.Parameter(torch.zeros(1024, 1024, dtype=torch.bfloat16))]
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_state_bytes_with_24_bit_master_weights_and_4bit_moments(dtype):
+    params = [torch.nn.Parameter(torch.zeros(1024, 1024, dtype=dtype))]
     optimizer = AdamW4bit(params, master_weight_bits=24)
     set_gradients(params)
     optimizer.step()
@@ -211,8 +255,9 @@ def test_state_bytes_of_bf16_with_24_bit_master_weights_and_4bit_moments():
     assert state_bytes(optimizer) / params[0].numel() == 2 * (0.5 + 4 / 128) + 1
 
 
-def test_cpu_offload_keeps_the_correction_with_the_host_copy_and_steps_like_the_plain_optimizer():
-    _, plain = params_pair()
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_offload_keeps_the_correction_with_the_host_copy_and_steps_like_the_plain_optimizer(dtype):
+    _, plain = params_pair(dtype=dtype)
     offloaded = [torch.nn.Parameter(p.detach().clone()) for p in plain]
     plain_optimizer = AdamW4bit(plain, master_weight_bits=32)
     offload_optimizer = CPUOffloadOptimizer(offloaded, AdamW4bit, master_weight_bits=32)
@@ -224,31 +269,44 @@ def test_cpu_offload_keeps_the_correction_with_the_host_copy_and_steps_like_the_
         host = offload_optimizer.host_param(b)
         correction = offload_optimizer.state[host][CORRECTION_KEY]
         assert correction.device == host.device and correction.dtype == torch.int16
-        assert torch.equal(a.detach(), b.detach())
+        assert host.dtype == dtype and torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))
         assert torch.equal(plain_optimizer.state[a][CORRECTION_KEY], correction)
 
 
-def models():
-    """A float32 model and a bfloat16 copy of it."""
+def away_from_zero_(model, smallest):
+    """Every parameter's magnitudes raised to at least ``smallest``, signs kept."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.copysign(param.abs().clamp(min=smallest), param))
+    return model
+
+
+def models(dtype):
+    """A float32 model and a copy of it in ``dtype``, its weights 2**-8 or more in magnitude
+    (float16 master weights are float32 ones from 2**-15 up)."""
     fp32 = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 64))
-    return fp32, copy.deepcopy(fp32).to(torch.bfloat16)
+    away_from_zero_(fp32, 2.0**-8)
+    return fp32, copy.deepcopy(fp32).to(dtype)
 
 
-def test_fp32_export_and_import_of_master_weights():
-    fp32, bf16 = models()
-    fp32_params, bf16_params = list(fp32.parameters()), list(bf16.parameters())
-    reference = AdamW4bit(fp32_params, min_quant_size=1024)
-    optimizer = AdamW4bit(bf16_params, min_quant_size=1024, master_weight_bits=32)
-    # The import: float32 weights that bfloat16 cannot hold become exact master weights.
-    load_master_weights(bf16, optimizer, fp32.state_dict())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp32_export_and_import_of_master_weights(dtype):
+    fp32, low = models(dtype)
+    fp32_params, low_params = list(fp32.parameters()), list(low.parameters())
+    # lr 1e-4: 3 steps move a weight by ~3e-4 at most, far less than its 2**-8.
+    reference = AdamW4bit(fp32_params, lr=1e-4, min_quant_size=1024)
+    optimizer = AdamW4bit(low_params, lr=1e-4, min_quant_size=1024, master_weight_bits=32)
+    # The import: float32 weights that the dtype cannot hold become exact master weights.
+    load_master_weights(low, optimizer, fp32.state_dict())
     for _ in range(3):
-        set_gradients(fp32_params, bf16_params)
+        set_gradients(fp32_params, low_params)
         reference.step()
         optimizer.step()
-    exported = master_weights_state_dict(bf16, optimizer)
+        assert_float16_exact_range(fp32_params)
+    exported = master_weights_state_dict(low, optimizer)
     for name, value in fp32.state_dict().items():
         assert exported[name].dtype == torch.float32 and same_bits(exported[name], value)
-    converted = to_torch_adamw(optimizer.state_dict(), params=bf16_params)
+    converted = to_torch_adamw(optimizer.state_dict(), params=low_params)
     assert all(CORRECTION_KEY not in entry for entry in converted["state"].values())
     for index, param in enumerate(fp32_params):
         assert same_bits(converted["master_weights"][index], param.detach())
@@ -258,53 +316,62 @@ def test_fp32_export_and_import_of_master_weights():
 
 
 def _fsdp_master_weight_runs(rank: int, out) -> dict:
-    """Two ranks: an FSDP2 float32 model and its bfloat16 twin with 32-bit master weights,
-    stepped with the same (bfloat16-valued) gradient shards; then a DCP save and load."""
+    """Two ranks, for bfloat16 and float16: an FSDP2 float32 model and its twin in the dtype
+    with 32-bit master weights, stepped with the same (dtype-valued) gradient shards; then a
+    DCP save and load."""
     import torch.distributed.checkpoint as dcp
     from test_distributed import OPTIONS, _load, batch, gathered, make_model, shard
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from lowbit_optim.state.sharding import local, wrap_like
 
-    def bf16_model():
-        return shard(make_model().to(torch.bfloat16))
+    # lr 1e-3: 3 steps move a weight by a few 1e-3 at most, far less than its 2**-6.
+    options = dict(OPTIONS, lr=1e-3, backend="eager", master_weight_bits=32)
+    results = {}
 
-    reference = make_model()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.copy_(param.bfloat16())
-    reference = shard(reference)
-    model = bf16_model()
-    reference_optimizer = AdamW4bit(reference.parameters(), **OPTIONS, backend="eager")
-    optimizer = AdamW4bit(model.parameters(), **OPTIONS, backend="eager", master_weight_bits=32)
-    for step in range(3):
-        inputs, targets = batch(step)
-        torch.nn.functional.mse_loss(reference(inputs), targets).backward()
+    def low_model(dtype):
+        return shard(away_from_zero_(make_model(), 2.0**-6).to(dtype))
+
+    for dtype in DTYPES:
+        reference = away_from_zero_(make_model(), 2.0**-6)
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.copy_(param.to(dtype))
+        reference = shard(reference)
+        model = low_model(dtype)
+        reference_optimizer = AdamW4bit(reference.parameters(), **dict(options, master_weight_bits=None))
+        optimizer = AdamW4bit(model.parameters(), **options)
+        for step in range(3):
+            inputs, targets = batch(step)
+            torch.nn.functional.mse_loss(reference(inputs), targets).backward()
+            for expected, param in zip(reference.parameters(), model.parameters()):
+                grad = local(expected.grad).to(dtype)
+                local(expected.grad).copy_(grad)
+                param.grad = wrap_like(grad, param)
+            reference_optimizer.step()
+            optimizer.step()
+            reference.zero_grad()
+            model.zero_grad()
+        found = {"same": [], "placements": [], "exact_range": []}
         for expected, param in zip(reference.parameters(), model.parameters()):
-            grad = local(expected.grad).bfloat16()
-            local(expected.grad).copy_(grad)
-            param.grad = wrap_like(grad, param)
-        reference_optimizer.step()
-        optimizer.step()
-        reference.zero_grad()
-        model.zero_grad()
-    results = {"same": [], "placements": []}
-    for expected, param in zip(reference.parameters(), model.parameters()):
-        correction = optimizer.state[param][CORRECTION_KEY]
-        results["placements"].append(correction.placements == param.placements
-                                     and correction.to_local().shape == param.to_local().shape)
-        master = read_master(local(param).detach(), correction.to_local())
-        results["same"].append(same_bits(master, local(expected).detach()))
-    # Compared shard by shard: gloo (like NCCL) has no int16 collectives, so full_tensor()
-    # of a 32-bit correction cannot gather it (docs/checkpoints.md).
-    saved = [optimizer.state[p][CORRECTION_KEY].to_local().clone() for p in model.parameters()]
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out / "dcp-master")
-    model = bf16_model()
-    optimizer = AdamW4bit(model.parameters(), **OPTIONS, backend="eager", master_weight_bits=32)
-    _load(model, optimizer, out / "dcp-master")
-    loaded = [optimizer.state[p][CORRECTION_KEY].to_local() for p in model.parameters()]
-    results["dcp"] = all(torch.equal(a, b) for a, b in zip(saved, loaded))
+            correction = optimizer.state[param][CORRECTION_KEY]
+            found["placements"].append(correction.placements == param.placements
+                                       and correction.to_local().shape == param.to_local().shape)
+            master = read_master(local(param).detach(), correction.to_local())
+            found["same"].append(same_bits(master, local(expected).detach()))
+            found["exact_range"].append(bool((local(expected).abs() >= FLOAT16_EXACT_FROM).all()))
+        # Compared shard by shard: gloo (like NCCL) has no int16 collectives, so full_tensor()
+        # of a 32-bit correction cannot gather it (docs/checkpoints.md).
+        saved = [optimizer.state[p][CORRECTION_KEY].to_local().clone() for p in model.parameters()]
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        checkpoint = out / f"dcp-master-{str(dtype).removeprefix('torch.')}"
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+        model = low_model(dtype)
+        optimizer = AdamW4bit(model.parameters(), **options)
+        _load(model, optimizer, checkpoint)
+        loaded = [optimizer.state[p][CORRECTION_KEY].to_local() for p in model.parameters()]
+        found["dcp"] = all(torch.equal(a, b) for a, b in zip(saved, loaded))
+        results[str(dtype)] = found
     return {"ranks": gathered(results)}
 
 
@@ -317,7 +384,10 @@ def test_fsdp2_shards_the_correction_like_its_parameter_and_dcp_round_trips_it(t
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path), _fsdp_master_weight_runs, "master.pt"), nprocs=2)
     ranks = torch.load(tmp_path / "master.pt")["ranks"]
     for results in ranks:
-        assert all(results["placements"]) and all(results["same"]) and results["dcp"]
+        assert results.keys() == {str(dtype) for dtype in DTYPES}
+        for found in results.values():
+            assert all(found["exact_range"]) and all(found["placements"])
+            assert all(found["same"]) and found["dcp"]
 
 
 def test_gradient_release_with_24_bit_master_weights_matches_ordinary_stepping_bit_for_bit():

@@ -1,7 +1,7 @@
 """Optimizer checkpoints: checking a state dict before it is loaded (``validate``), loading it
 (``load``), converting between ``torch.optim.AdamW``'s state dicts and ours (``convert``),
-reading torchao's checkpoints without torchao (``torchao``), and a bfloat16 model's float32
-master weights out and back in (``master_weights``). See docs/checkpoints.md."""
+reading torchao's checkpoints without torchao (``torchao``), and a bfloat16 or float16 model's
+float32 master weights out and back in (``master_weights``). See docs/checkpoints.md."""
 
 from lowbit_optim.checkpoint.convert import from_torch_adamw, to_torch_adamw
 from lowbit_optim.checkpoint.master_weights import load_master_weights, master_weights_state_dict

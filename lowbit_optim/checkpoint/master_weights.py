@@ -1,11 +1,12 @@
-"""A model's float32 master weights, out of and into a bfloat16 model and its optimizer.
+"""A model's float32 master weights, out of and into a bfloat16 or float16 model and its optimizer.
 
 ``master_weights_state_dict`` returns what a float32 copy of the model would hold: each
-bfloat16 parameter that keeps a correction (``master_weight_bits``, ``master_weights``) as
-its master weight, the other floating-point parameters as float32 (float64 ones as they are),
-buffers unchanged. ``load_master_weights`` is its inverse: it loads float32 weights into
-the bfloat16 model and sets the corrections, so that training resumes from those exact
-weights (with 32 bits; within the 24-bit rounding with 24). See docs/checkpoints.md.
+bfloat16 or float16 parameter that keeps a correction (``master_weight_bits``,
+``step.master_weights``) as its master weight, the other floating-point parameters as float32
+(float64 ones as they are), buffers unchanged. ``load_master_weights`` is its inverse: it
+loads float32 weights into the model and sets the corrections, so that training resumes from
+those exact weights (with 32 bits; for float16 from 2**-15 in magnitude up; within the 24-bit
+rounding with 24). See docs/checkpoints.md.
 """
 
 import torch
@@ -37,10 +38,11 @@ def _float32(value: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def master_weights_state_dict(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every floating-point parameter as float32 (float64 ones as
-    they are) and every bfloat16 parameter that keeps a correction in ``optimizer`` as its
-    master weight: parameter + correction, exactly the float32 weight the step computes with
-    ``master_weight_bits=32``. Loads into a float32 copy of the model with
-    ``load_state_dict``. FSDP2 parameters give DTensors sharded like them."""
+    they are) and every bfloat16 or float16 parameter that keeps a correction in ``optimizer``
+    as its master weight: parameter + correction, exactly the float32 weight the step computes
+    with ``master_weight_bits=32`` (float16: from 2**-15 in magnitude up). Loads into a
+    float32 copy of the model with ``load_state_dict``. FSDP2 parameters give DTensors sharded
+    like them."""
     result = model.state_dict()
     for name, param in model.named_parameters():
         if not param.is_floating_point() or name not in result:
@@ -57,9 +59,10 @@ def master_weights_state_dict(model: torch.nn.Module, optimizer) -> dict[str, to
 
 @torch.no_grad()
 def load_master_weights(model: torch.nn.Module, optimizer, state_dict, *, strict: bool = True):
-    """Load float32 (or float64) weights into ``model`` and, for each bfloat16 parameter whose
-    group has ``master_weight_bits``, set its correction in ``optimizer`` so that parameter +
-    correction is the loaded weight (exactly with 32 bits; rounded to 24 bits with 24). The
+    """Load float32 (or float64) weights into ``model`` and, for each bfloat16 or float16
+    parameter whose group has ``master_weight_bits``, set its correction in ``optimizer`` so
+    that parameter + correction is the loaded weight (exactly with 32 bits, for float16 from
+    2**-15 in magnitude up; rounded to 24 bits with 24). The
     parameter's optimizer state is created if it has none yet (zero moments, as a first step
     would create them). Returns ``model.load_state_dict``'s result (``strict`` as there)."""
     result = model.load_state_dict(state_dict, strict=strict)

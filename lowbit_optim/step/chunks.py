@@ -46,7 +46,8 @@ class PlannedStep(NamedTuple):
 
 class ParamStep(NamedTuple):
     """One parameter's share of a step: the tensors it updates and its step count, and a
-    bfloat16 parameter's master weight correction (``master_weights``) if it keeps one."""
+    bfloat16 or float16 parameter's master weight correction (``master_weights``) if it keeps
+    one."""
 
     param: torch.Tensor
     grad: torch.Tensor
@@ -106,8 +107,9 @@ class CompiledVariants:
     function eagerly, silently: slower, and with torch's eager float32 ``sqrt`` (1 ulp off on
     ~0.6% of inputs) instead of the compiled one. One code object per state kind held a graph
     per combination of flags, parameter dtype, amsgrad and master weights, and a process that
-    used more than 8 of them (the test suite did) fell back. Per variant, only the parameter's
-    dtype and its correction's vary: at most 6 graphs.
+    used more than 8 of them (the test suite did) fell back. A variant names the master weight
+    correction's dtype too (``None`` without one), so per variant only the parameter's dtype
+    varies: at most 4 graphs (float32, float64, bfloat16, float16; 2 with a correction).
     """
 
     def __init__(self, function, prefix: str):
@@ -116,7 +118,7 @@ class CompiledVariants:
 
     def get(self, variant: tuple):
         if variant not in self.compiled:
-            name = "__".join((self.prefix, *map(_variant_name, variant))).replace("-", "_")
+            name = "__".join((self.prefix, *map(variant_name, variant))).replace("-", "_")
             # Compiled as a plain function (formats and flags are passed as keyword arguments
             # at the call): torch.compile wraps a functools.partial in a shared helper whose
             # code object would again be common to every variant.
@@ -129,8 +131,16 @@ class CompiledVariants:
                    if variant[:len(leading)] == leading)
 
 
-def _variant_name(part) -> str:
+def variant_name(part) -> str:
+    if isinstance(part, torch.dtype):
+        return str(part).removeprefix("torch.")
     return str(int(part)) if isinstance(part, bool) else getattr(part, "name", str(part))
+
+
+def correction_dtype_of(weight_correction: torch.Tensor | None) -> torch.dtype | None:
+    """The part of a compiled step's variant that says which master weight correction it
+    reads and writes: its dtype, or ``None`` without one."""
+    return None if weight_correction is None else weight_correction.dtype
 
 
 class TailScratch:

@@ -167,8 +167,8 @@ def supports(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_
     """Whether the kernel takes this parameter (else the compiled step does): CPU, float32,
     bfloat16 or float16 parameters with a gradient of the same dtype, both moments of one
     width with encoders the kernel has, blocks of at most ``MAX_BLOCK_SIZE``. float64
-    parameters (updated in float64 by the reference) go to the compiled step. A bfloat16
-    parameter's master weight correction is taken with it (``weight_correction``)."""
+    parameters (updated in float64 by the reference) go to the compiled step. A bfloat16 or
+    float16 parameter's master weight correction is taken with it (``weight_correction``)."""
     if param.device.type != "cpu" or grad.device.type != "cpu" or grad.dtype != param.dtype:
         return False
     if not load():
@@ -194,8 +194,8 @@ def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *,
     ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
     of the whole parameter; ``scalars`` a ``step.math.StepScalars`` of 0-d CPU tensors.
     ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``).
-    ``weight_correction``: a bfloat16 parameter's master weight correction (int8 or int16,
-    ``step.master_weights``), read and written with the parameter as its master weight.
+    ``weight_correction``: a bfloat16 or float16 parameter's master weight correction (int8 or
+    int16, ``step.master_weights``), read and written with the parameter as its master weight.
     A non-contiguous parameter (or correction) steps a contiguous copy, written back afterwards.
     """
     kind, exp_avg_table, exp_avg_sq_table, encoders = format_pair_constants(exp_avg.format, exp_avg_sq.format)

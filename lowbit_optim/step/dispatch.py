@@ -87,11 +87,10 @@ class AdamWPlan:
             elif backend == "triton" and entry.param.dtype != torch.float64:
                 triton_entries.append(index)  # master weights included
             elif (backend == "cpu"
-                  and not (entry.weight_correction is not None and entry.param.dtype == torch.float16)
                   and cpu_kernel.supports(entry.exp_avg.format, entry.exp_avg_sq.format,
                                           entry.exp_avg.block_size, entry.param, entry.grad)):
-                # bfloat16 master weights included (the kernel has no float16 master weight
-                # variant yet); every case ``supports`` turns down takes the compiled step.
+                # Master weights included; every case ``supports`` turns down takes the
+                # compiled step.
                 self.cpu_kernel.append(PlannedStep(index, entry._replace(grad=None)))
             else:
                 self.quantized.append(PlannedStep(index, entry._replace(grad=None)))

@@ -24,7 +24,6 @@ to the statistics. Every function takes tensors only (hyperparameters and indice
 tensors), so one compiled graph serves every shape and schedule.
 """
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -36,7 +35,9 @@ from lowbit_optim.step import chunks
 from lowbit_optim.step.chunks import (
     call_step,
     compiled_graph_count_of,
+    correction_dtype_of,
     for_each_block_chunk,
+    variant_name,
     with_own_code_object,
 )
 from lowbit_optim.step.master_weights import read_master, write_master
@@ -113,8 +114,8 @@ def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp
     """Whole blocks ``(n, block_size)`` of a parameter starting at flat element
     ``scalars.first_element``, in place: the first moment's codes and scales and the
     parameter. Elements past the parameter's end (a padded last block) read the last row's
-    statistics. ``weight_correction``: the same blocks of a bfloat16 parameter's master
-    weight correction (``master_weights``), or ``None``."""
+    statistics. ``weight_correction``: the same blocks of a bfloat16 or float16 parameter's
+    master weight correction (``master_weights``), or ``None``."""
     param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized = blocks
     first_element, columns, lr, beta1, eps, weight_decay = scalars[:6]
     dtype = compute_dtype(param)
@@ -164,21 +165,32 @@ class FactoredFunctions(NamedTuple):
     update: object  # factored_adamw_step
 
 
-@functools.cache
-def compiled_functions(exp_avg_format: QuantFormat) -> FactoredFunctions:
-    """Both passes compiled, once per process and format."""
-    suffix = exp_avg_format.name.replace("-", "_")
-    return FactoredFunctions(
-        statistics=torch.compile(
-            with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"), dynamic=False),
-        update=torch.compile(
-            with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"), dynamic=False),
-    )
+# ``compiled_functions``' results: (first-moment format, correction dtype) -> both passes.
+_COMPILED: dict[tuple, FactoredFunctions] = {}
+
+
+def compiled_functions(exp_avg_format: QuantFormat,
+                       correction_dtype: torch.dtype | None = None) -> FactoredFunctions:
+    """Both passes compiled, once per process, format and master weight correction dtype
+    (``None`` without one): each its own code objects, so that the graphs of one (a graph per
+    parameter dtype and flags) stay within Dynamo's limit of 8 per code object."""
+    key = (exp_avg_format, correction_dtype)
+    if key not in _COMPILED:
+        suffix = "__".join(map(variant_name, key)).replace("-", "_")
+        _COMPILED[key] = FactoredFunctions(
+            statistics=torch.compile(
+                with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"), dynamic=False),
+            update=torch.compile(
+                with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"), dynamic=False),
+        )
+    return _COMPILED[key]
 
 
 def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
-    """How many graphs Dynamo holds for the factored step's two functions together."""
-    return sum(map(compiled_graph_count_of, compiled_functions(exp_avg_format)))
+    """How many graphs Dynamo holds for the factored step's two functions together, over every
+    correction dtype."""
+    return sum(compiled_graph_count_of(function) for (fmt, _), functions in _COMPILED.items()
+               if fmt == exp_avg_format for function in functions)
 
 
 class FactoredParams:
@@ -246,7 +258,8 @@ class FactoredParams:
         ``column_means``, a bounded chunk of rows at a time."""
 
         compiled = backend == "compile"
-        statistics_step = (compiled_functions(entry.exp_avg.format).statistics if compiled
+        correction_dtype = correction_dtype_of(entry.weight_correction)
+        statistics_step = (compiled_functions(entry.exp_avg.format, correction_dtype).statistics if compiled
                            else second_moment_means)
         factored = entry.exp_avg_sq
         rows, columns = factored.row.numel(), factored.col.numel()
@@ -277,7 +290,8 @@ class FactoredParams:
 
         param, grad, exp_avg, factored, _, _, weight_correction = entry
         compiled = backend == "compile"
-        update_step = compiled_functions(exp_avg.format).update if compiled else factored_adamw_step
+        update_step = (compiled_functions(exp_avg.format, correction_dtype_of(weight_correction)).update
+                       if compiled else factored_adamw_step)
         # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
         # no tensor is made per step, and no size becomes a guarded constant.
         columns_scalar = scratch.index_scalar("columns").fill_(factored.col.numel())

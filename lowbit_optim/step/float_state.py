@@ -90,8 +90,9 @@ class FloatStateStep:
     one; moments laid out as consecutive views of one tensor (``step.plan`` does that) are
     updated in place, others gathered and written back the same way (``_Flat``).
     ``moments``: one list per moment (the rule's order), of ``compute_dtype`` tensors (float32;
-    float64 for float64 parameters). ``weight_corrections``: the bfloat16 or float16 parameters' master
-    weight corrections (``master_weights``), or ``None`` without master weights.
+    float64 for float64 parameters). ``weight_corrections``: the bfloat16 or float16
+    parameters' master weight corrections (``master_weights``), or ``None`` without master
+    weights.
     """
 
     def __init__(self, params, moments, weight_corrections=None):

@@ -32,6 +32,11 @@ smallest normal binade's spacing), ``u = 2**(E - 24)`` for 32 bits and ``2**(E -
 * the correction is ``round_half_even((m - p) / u)``: the subtraction is exact (``p`` is within
   half a float16 ulp of ``m``) and so is the division by a power of two; the master weight
   read back is ``p + correction * u``, also exact;
+* where that master weight is a float16 midpoint (a correction of half an ulp, ``±2**13`` or
+  ``±64``), ``m``'s own rounding may have gone to the other neighbour: the pair is then split
+  again from the master weight it holds, so that the parameter is always the master weight
+  rounded to nearest even and reading and splitting a pair gives it back unchanged (a step
+  that keeps the master weight, a NaN gradient's, keeps the parameter);
 * ``|m - p| <= 2**(E - 11)`` (half a float16 ulp; ``2**(E - 12)`` when ``m`` rounded up into
   ``p``'s binade from the one below), so ``|correction| <= 2**13`` (int16) or ``64`` (int8);
 * 32 bits: every float32 ``m`` with ``|m| >= 2**-15`` (and 0) is a multiple of ``u`` (float32
@@ -40,9 +45,9 @@ smallest normal binade's spacing), ``u = 2**(E - 24)`` for 32 bits and ``2**(E -
 * 24 bits: the master weight is ``m`` rounded to a multiple of ``2**(E - 17)``, 18 significant
   bits (float16's 11 and the int8's 7), within ``2**(E - 18)`` of ``m``: a relative ``2**-18``
   of ``p``'s binade, ``2**-17`` of ``|m|`` at most;
-* ``|m|`` past float16's range (65520 and above) makes ``p`` infinite and the correction 0, as
-  torch's own AdamW overflows a float16 parameter; a NaN makes ``p`` one quiet NaN and the
-  correction 0.
+* ``|m|`` past float16's range (65520 and above; with 24 bits from 65519.875, which the
+  master weight rounds to 65520) makes ``p`` infinite and the correction 0, as torch's own
+  AdamW overflows a float16 parameter; a NaN makes ``p`` one quiet NaN and the correction 0.
 
 float32 and float64 parameters are left as they are, with no correction.
 """
@@ -169,6 +174,19 @@ def _read_float16_master(param: torch.Tensor, correction: torch.Tensor) -> torch
 
 
 def _split_float16_master(master: torch.Tensor, correction_dtype: torch.dtype):
+    # First the master weight the correction can hold (``master`` itself for an int16 one
+    # from 2**-15 up), then that held weight's own split, which is exact: the parameter is the
+    # held weight rounded to nearest even. Where the held weight is a float16 midpoint,
+    # ``master``'s own rounding may have gone to the other neighbour, and reading and splitting
+    # the pair again would move the parameter by an ulp (a step with a NaN gradient, which
+    # keeps the master weight, must keep the parameter too).
+    held = _read_float16_master(*_float16_residual(master, correction_dtype))
+    return _float16_residual(held, correction_dtype)
+
+
+def _float16_residual(master: torch.Tensor, correction_dtype: torch.dtype):
+    """``master`` rounded to float16 (nearest even, every NaN one quiet NaN) and its residual
+    in units, rounded to nearest even."""
     rounded = master.to(torch.float16).view(torch.int16)
     param_bits = torch.where(torch.isnan(master), CANONICAL_FLOAT16_NAN_BITS, rounded)
     param = param_bits.view(torch.float16)

@@ -15,6 +15,7 @@ from lowbit_optim.step.chunks import (
     ParamStep,
     TailScratch,
     call_step,
+    correction_dtype_of,
     for_each_block_chunk,
     leading_dims,
 )
@@ -47,7 +48,7 @@ def quantized_adamw_step(param, grad, exp_avg: StoredMoment, exp_avg_sq: StoredM
 
     ``param`` and ``grad`` are ``(num_blocks, block_size)`` views; the moments are the stored
     tensors of their ``QuantizedState`` (the same rows), ``max_exp_avg_sq`` ``None`` unless
-    amsgrad is on. ``weight_correction``: the blocks of a bfloat16 parameter's master weight
+    amsgrad is on. ``weight_correction``: the blocks of a bfloat16 or float16 parameter's master weight
     correction (``master_weights``), whose master weight is read and written instead of the
     parameter, or ``None``. Only tensors are taken, so ``torch.compile`` traces it once per
     state kind, parameter dtype and correction dtype, whatever the parameter's shape.
@@ -115,7 +116,7 @@ def store_blocks(moments: list[tuple], param_parts, new_params, correction_parts
             write_param(param_part, new_param, stochastic_round=stochastic_round)
 
 
-# One compiled step per state kind, flags and amsgrad (``chunks.CompiledVariants``).
+# One compiled step per state kind, flags, amsgrad and correction dtype (``chunks.CompiledVariants``).
 COMPILED_STEPS = CompiledVariants(quantized_adamw_step, "quantized_adamw_step")
 
 
@@ -133,7 +134,8 @@ def run_quantized_step(backend: str, entry: ParamStep, scalars: StepScalars, scr
     param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, _, weight_correction = entry
     if backend == "compile":
         step = COMPILED_STEPS.get((exp_avg.format, exp_avg_sq.format, maximize, stochastic_round,
-                                   decoupled_weight_decay, max_exp_avg_sq is not None))
+                                   decoupled_weight_decay, max_exp_avg_sq is not None,
+                                   correction_dtype_of(weight_correction)))
     else:
         step = quantized_adamw_step
     step = functools.partial(

@@ -5,8 +5,8 @@ per rule and formats, or eager) and float moments through ``float_state.FloatSta
 
 Shared policies, so no rule writes them again: ``maximize`` negates the gradient; an element
 whose gradient is NaN or ±inf keeps its parameter and its moments for that step (as
-``math.adamw_update`` does); the update is computed in ``math.compute_dtype``; bf16
-parameters are written by rounding, stochastic rounding or through their master weight
+``math.adamw_update`` does); the update is computed in ``math.compute_dtype``; bf16 and fp16
+parameters are written by rounding (bf16: or stochastic rounding) or through their master weight
 (``master_weights``).
 
 The Triton and C++ kernels are AdamW's (``rules.adamw``): a rule without kernels of its own
@@ -24,6 +24,7 @@ from lowbit_optim.step.chunks import (
     CompiledVariants,
     TailScratch,
     call_step,
+    correction_dtype_of,
     for_each_block_chunk,
     leading_dims,
 )
@@ -36,8 +37,8 @@ from lowbit_optim.step.quantized import StoredMoment, store_blocks
 
 class RuleEntry(NamedTuple):
     """One parameter's share of a rule's step: the tensors it updates (``moments`` in the
-    rule's order, float tensors or ``QuantizedState``), its step count and a bfloat16
-    parameter's master weight correction, if it keeps one."""
+    rule's order, float tensors or ``QuantizedState``), its step count and a bfloat16 or
+    float16 parameter's master weight correction, if it keeps one."""
 
     param: torch.Tensor
     grad: torch.Tensor | None
@@ -86,7 +87,7 @@ def quantized_rule_step(param, grad, moments: tuple[StoredMoment, ...], constant
                  stochastic_round=stochastic_round)
 
 
-# One compiled step per rule, formats and flags (``chunks.CompiledVariants``).
+# One compiled step per rule, formats, flags and correction dtype (``chunks.CompiledVariants``).
 COMPILED_RULE_STEPS = CompiledVariants(quantized_rule_step, "quantized_step")
 
 
@@ -129,7 +130,8 @@ class RulePlan:
 
     def _quantized(self, entry: RuleEntry, constants, options: StepOptions, scratch: TailScratch) -> None:
         formats = tuple(moment.format for moment in entry.moments)
-        variant = (self.rule, *formats, options.maximize, options.stochastic_round)
+        variant = (self.rule, *formats, options.maximize, options.stochastic_round,
+                   correction_dtype_of(entry.weight_correction))
         step = COMPILED_RULE_STEPS.get(variant) if self.compiled else quantized_rule_step
         flags = dict(rule=self.rule, formats=formats, maximize=options.maximize,
                      stochastic_round=options.stochastic_round)

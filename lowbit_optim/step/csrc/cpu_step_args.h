@@ -47,7 +47,7 @@ struct StepArgs {
   float weight_decay;   // L2 (not decoupled)
   int32_t maximize, decoupled, amsgrad, stochastic_round;
   uint64_t seed;
-  // A bfloat16 parameter's master weight correction (lowbit_optim/step/master_weights.py):
+  // A bfloat16 or float16 parameter's master weight correction (lowbit_optim/step/master_weights.py):
   // int8 for 24-bit master weights, int16 for 32-bit, one per element; null (and
   // master_weight_bits 0) without one.
   void* correction;

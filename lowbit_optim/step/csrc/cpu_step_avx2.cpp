@@ -44,6 +44,8 @@ struct Primitives {
   static inline F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
   static inline I iselect(M m, I a, I b) { return bits(_mm256_blendv_ps(as_float(b), as_float(a), m)); }
   static inline I f2i(F a) { return _mm256_cvttps_epi32(a); }
+  static inline F i2f(I a) { return _mm256_cvtepi32_ps(a); }
+  static inline F round_even(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static inline I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static inline I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static inline I iand(I a, I b) { return _mm256_and_si256(a, b); }
@@ -85,14 +87,19 @@ struct Primitives {
     if (dtype == kFloat16) return _mm256_cvtph_ps(half);
     return as_float(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
   }
-  static inline void store16(uint16_t* p, I x) {
+  static inline __m128i narrow16(I x) {
     // Every lane holds a value below 2**16, so the saturating pack only narrows.
-    I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08));
   }
+  static inline void store16(uint16_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow16(x)); }
   static inline void store_half(uint16_t* p, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  // float32 -> float16 bits (round to nearest even), one per 32-bit lane, and back.
+  static inline I to_half_bits(F x) {
+    return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static inline F from_half_bits(I x) { return _mm256_cvtph_ps(narrow16(x)); }
 };
 
 }  // namespace

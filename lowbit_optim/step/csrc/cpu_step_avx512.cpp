@@ -45,6 +45,8 @@ struct Primitives {
   static inline F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   static inline I iselect(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline I f2i(F a) { return _mm512_cvttps_epi32(a); }
+  static inline F i2f(I a) { return _mm512_cvtepi32_ps(a); }
+  static inline F round_even(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static inline I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static inline I iand(I a, I b) { return _mm512_and_si512(a, b); }
@@ -81,6 +83,11 @@ struct Primitives {
   static inline void store_half(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  // float32 -> float16 bits (round to nearest even), one per 32-bit lane, and back.
+  static inline I to_half_bits(F x) {
+    return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static inline F from_half_bits(I x) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)); }
 };
 
 }  // namespace

@@ -13,9 +13,10 @@
 // bit as the reference's, on every path (vector width changes nothing, every operation is
 // elementwise and the absmax is exact in any order).
 //
-// With master weights (a bfloat16 parameter and an int8 or int16 correction) the update reads
-// and writes the float32 master weight instead of the parameter, with the integer bit split
-// of lowbit_optim/step/master_weights.py (read_master, split_master) done in the same pass.
+// With master weights (a bfloat16 or float16 parameter and an int8 or int16 correction) the
+// update reads and writes the float32 master weight instead of the parameter, with the
+// encodings of lowbit_optim/step/master_weights.py (read_master, split_master) done in the
+// same pass: bfloat16's integer bit split, float16's scaled residual.
 #include <cstdint>
 
 #include "cpu_step_args.h"
@@ -103,6 +104,43 @@ inline uint32_t mix32(uint64_t x) {
 constexpr int kBFloat16Shift = 16;
 constexpr int kMaster24Dropped = 8;
 constexpr int32_t kCanonicalNan = 0x7FC00000;
+// float16's scaled residual (master_weights.py): the correction counts units of 2**(E - 24)
+// (int16) or 2**(E - 17) (int8), E the parameter's exponent (field - 15; -14 for zero and
+// subnormals, field 0, which take the smallest normal field's unit). The unit is built as
+// float32 bits: its exponent field is float16's field plus kUnitFieldOffset.
+constexpr int kFloat16MantissaBits = 10;
+constexpr int32_t kFloat16ExponentField = 0x1F;
+constexpr int32_t kFloat16MinNormalField = 1;
+constexpr int kFloat32MantissaBits = 23;
+constexpr int32_t kUnitFieldOffset16 = 127 - 15 - 24;
+constexpr int32_t kUnitFieldOffset8 = 127 - 15 - 17;
+constexpr int32_t kCanonicalHalfNan = 0x7E00;
+
+// The float32 unit of a float16 parameter's correction, from the parameter's bits.
+inline F float16_unit(I half_bits, bool master24) {
+  I field = V::iand(V::srl(half_bits, kFloat16MantissaBits), V::set1i(kFloat16ExponentField));
+  field = V::iadd_if(V::ilt(field, V::set1i(kFloat16MinNormalField)), field);  // 0 -> 1
+  const int32_t offset = master24 ? kUnitFieldOffset8 : kUnitFieldOffset16;
+  return V::as_float(V::sll(V::iadd(field, V::set1i(offset)), kFloat32MantissaBits));
+}
+
+// read_master of a float16 parameter: the parameter minus the negated correction times its
+// unit (subtracted, so that a -0.0 parameter with a zero correction stays -0.0; exact).
+inline F read_float16_master(I half_bits, I correction_steps, bool master24) {
+  F negated = V::i2f(V::isub(V::set1i(0), correction_steps));
+  return V::sub(V::from_half_bits(half_bits), V::mul(negated, float16_unit(half_bits, master24)));
+}
+
+// master_weights._float16_residual: `value` rounded to float16 (nearest even, NaN one quiet
+// NaN), returned as bits, and its residual in units rounded to nearest even into `steps`
+// (0 where the parameter is not finite: past float16's range, or NaN).
+inline I float16_residual(F value, bool master24, I& steps) {
+  I half = V::to_half_bits(value);
+  F base = V::from_half_bits(half);
+  F residual = V::round_even(V::div(V::sub(value, base), float16_unit(half, master24)));
+  steps = V::f2i(V::select(V::isfinite(base), residual, V::set1(0.0f)));
+  return V::iselect(V::eq(value, value), half, V::set1i(kCanonicalHalfNan));
+}
 
 template <typename T>
 struct Block {
@@ -160,40 +198,54 @@ struct Block {
     }
   }
 
+  // The correction of the W elements at `offset`, sign-extended to int32.
+  inline I load_correction(int64_t offset) const {
+    return a.master_weight_bits == 24
+        ? V::sra(V::sll(V::load_u8(static_cast<const uint8_t*>(correction) + offset), 24), 24)
+        : V::sra(V::sll(V::load_u16(static_cast<const uint16_t*>(correction) + offset), 16), 16);
+  }
+
   // The parameter the update reads: the float32 master weight where there is a correction
-  // (read_master: the bfloat16 bits above the sign-extended remainder, in int32).
+  // (read_master). bfloat16: its bits above the remainder, in int32.
   inline F load_weight(int64_t offset) const {
     if constexpr (sizeof(T) == 2) {
       if (a.master_weight_bits) {
+        const bool master24 = a.master_weight_bits == 24;
+        I correction_steps = load_correction(offset);
+        if (a.param_dtype == kFloat16)
+          return read_float16_master(V::load_u16(param + offset), correction_steps, master24);
         I upper = V::sll(V::load_u16(param + offset), kBFloat16Shift);
-        I remainder = a.master_weight_bits == 24
-            ? V::sra(V::sll(V::load_u8(static_cast<const uint8_t*>(correction) + offset), 24),
-                     24 - kMaster24Dropped)
-            : V::sra(V::sll(V::load_u16(static_cast<const uint16_t*>(correction) + offset), 16), 16);
+        I remainder = master24 ? V::sll(correction_steps, kMaster24Dropped) : correction_steps;
         return V::as_float(V::iadd(upper, remainder));
       }
     }
     return V::load_param(param + offset, a.param_dtype);
   }
 
-  // Store the updated parameter: split into bfloat16 and correction (split_master: NaN made
-  // one quiet NaN, a 24-bit master rounded half up to a multiple of 2**8, the upper half
-  // rounded half up, the remainder the correction), stochastically rounded, or rounded.
+  // Store the updated parameter: split into parameter and correction (split_master), or
+  // stochastically rounded, or rounded. bfloat16: NaN made one quiet NaN, a 24-bit master
+  // rounded half up to a multiple of 2**8, the upper half rounded half up, the remainder the
+  // correction. float16: the residual split, then the exact split of the master weight that
+  // pair holds (the parameter is that master weight rounded to nearest even).
   inline void store_weight(int64_t offset, F value) {
     if constexpr (sizeof(T) == 2) {
       if (a.master_weight_bits) {
         const bool master24 = a.master_weight_bits == 24;
+        if (a.param_dtype == kFloat16) {
+          I correction_steps;
+          I half = float16_residual(value, master24, correction_steps);
+          half = float16_residual(read_float16_master(half, correction_steps, master24), master24, correction_steps);
+          V::store16(param + offset, half);
+          store_correction(offset, correction_steps);
+          return;
+        }
         I bits = V::iselect(V::eq(value, value), V::bits(value), V::set1i(kCanonicalNan));
         if (master24)
           bits = V::iand(V::iadd(bits, V::set1i(1 << (kMaster24Dropped - 1))), V::set1i(-(1 << kMaster24Dropped)));
         I upper = V::sra(V::iadd(bits, V::set1i(1 << (kBFloat16Shift - 1))), kBFloat16Shift);
         I remainder = V::isub(bits, V::sll(upper, kBFloat16Shift));
         V::store16(param + offset, V::iand(upper, V::set1i(0xFFFF)));
-        if (master24) {
-          V::store_u8(static_cast<uint8_t*>(correction) + offset, V::sra(remainder, kMaster24Dropped));
-        } else {
-          V::store16(static_cast<uint16_t*>(correction) + offset, V::iand(remainder, V::set1i(0xFFFF)));
-        }
+        store_correction(offset, master24 ? V::sra(remainder, kMaster24Dropped) : remainder);
         return;
       }
       if (a.stochastic_round && a.param_dtype == kBFloat16) {
@@ -203,6 +255,15 @@ struct Block {
       }
     }
     V::store_param(param + offset, value, a.param_dtype);
+  }
+
+  // Store W corrections (int32 lanes within the correction dtype's range) at `offset`.
+  inline void store_correction(int64_t offset, I correction_steps) {
+    if (a.master_weight_bits == 24) {
+      V::store_u8(static_cast<uint8_t*>(correction) + offset, correction_steps);
+    } else {
+      V::store16(static_cast<uint16_t*>(correction) + offset, V::iand(correction_steps, V::set1i(0xFFFF)));
+    }
   }
 
   inline F decode(int moment, I codes) const {

@@ -117,12 +117,13 @@ void cpu_adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg
     a.scales[2] = max_exp_avg_sq_scales->data_ptr<float>();
   }
   if (weight_correction.has_value()) {
-    // A bfloat16 parameter's master weight correction (int8: 24-bit, int16: 32-bit). The
-    // master weight already keeps what rounding loses, so stochastic rounding is refused
-    // with it (as the optimizer refuses the combination).
+    // A bfloat16 or float16 parameter's master weight correction (int8: 24-bit, int16:
+    // 32-bit). The master weight already keeps what rounding loses, so stochastic rounding is
+    // refused with it (as the optimizer refuses the combination).
     const at::Tensor& correction = *weight_correction;
-    TORCH_CHECK(param.scalar_type() == at::kBFloat16, "cpu_adamw_step: a weight correction needs a bfloat16 "
-                "parameter, got ", param.scalar_type());
+    TORCH_CHECK(param.scalar_type() == at::kBFloat16 || param.scalar_type() == at::kHalf,
+                "cpu_adamw_step: a weight correction needs a bfloat16 or float16 parameter, got ",
+                param.scalar_type());
     TORCH_CHECK((correction.scalar_type() == at::kChar || correction.scalar_type() == at::kShort) &&
                     correction.is_contiguous() && correction.device().is_cpu() && correction.numel() == param.numel(),
                 "cpu_adamw_step: the weight correction must be a contiguous int8 or int16 CPU tensor of param's size");

@@ -42,6 +42,8 @@ struct V {
   static inline F select(M m, F a, F b) { return m ? a : b; }
   static inline I iselect(M m, I a, I b) { return m ? a : b; }
   static inline I f2i(F a) { return static_cast<I>(a); }
+  static inline F i2f(I a) { return static_cast<F>(a); }
+  static inline F round_even(F a) { return __builtin_roundevenf(a); }
   static inline I iadd(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b)); }
   static inline I isub(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b)); }
   static inline I iand(I a, I b) { return a & b; }
@@ -84,6 +86,8 @@ struct V {
     const uint32_t nonsign = ((base_bits >> 13) & 0x7C00u) + (base_bits & 0x0FFFu);
     return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
   }
+  static inline I to_half_bits(F x) { return float_to_half(x); }
+  static inline F from_half_bits(I x) { return half_to_float(static_cast<uint16_t>(x)); }
   static inline F load_param(const float* p, int) { return *p; }
   static inline F load_param(const uint16_t* p, int dtype) {
     return dtype == kFloat16 ? half_to_float(*p) : as_float(static_cast<I>(static_cast<uint32_t>(*p) << 16));

@@ -430,10 +430,21 @@ def _split_bfloat16_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
 
 @triton.jit
 def _split_float16_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
-    """The float16 parameter and the correction (float32, integral): the master rounded to
-    nearest even (NaN to one quiet NaN) and the residual counted in the parameter's unit,
-    rounded half to even (0 for a non-finite parameter). The subtraction and the scaling by a
-    power of two are exact, so each value is the reference's."""
+    """The float16 parameter and the correction (float32, integral), as the reference splits:
+    the residual of the master weight, then the residual of the master weight that pair holds,
+    so that at a float16 midpoint the parameter is the held weight's even neighbour and
+    reading and splitting a pair gives it back."""
+    param, steps = _float16_residual(master, MASTER_WEIGHT_BITS)
+    held = _read_master(param, steps.to(tl.int32), MASTER_WEIGHT_BITS)
+    return _float16_residual(held, MASTER_WEIGHT_BITS)
+
+
+@triton.jit
+def _float16_residual(master, MASTER_WEIGHT_BITS: tl.constexpr):
+    """``master`` rounded to float16 (nearest even, NaN to one quiet NaN) and its residual
+    counted in the parameter's unit, rounded half to even (0 for a non-finite parameter). The
+    subtraction and the scaling by a power of two are exact, so each value is the
+    reference's."""
     param_bits = tl.where(master == master, master.to(tl.float16).to(tl.int16, bitcast=True),
                           _CANONICAL_FLOAT16_NAN_BITS)
     param = param_bits.to(tl.float16, bitcast=True)
