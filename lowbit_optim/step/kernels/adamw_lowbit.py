@@ -92,7 +92,7 @@ from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.step import master_weights
 from lowbit_optim.step import math as math_spec
 from lowbit_optim.step.kernels import layout as layouts
-from lowbit_optim.step.kernels import tables, top_bits
+from lowbit_optim.step.kernels import master_weight_split, tables, top_bits
 from lowbit_optim.step.kernels.tables import codec_kind, device_tables
 
 # Elements per program: 2048 with 4 warps is 16 elements per thread (four 16-byte loads of
@@ -136,34 +136,16 @@ _MAX_SCALES = tl.constexpr(layouts.MAX_SCALES)
 _NUMEL = tl.constexpr(layouts.NUMEL)
 _FIRST_PROGRAM = tl.constexpr(layouts.FIRST_PROGRAM)
 _WEIGHT_CORRECTION = tl.constexpr(layouts.WEIGHT_CORRECTION)
-# The master weight's bit split (lowbit_optim.step.master_weights, where the reasons are).
-_BFLOAT16_SHIFT = tl.constexpr(master_weights.BFLOAT16_SHIFT)
-_BFLOAT16_ROUNDING = tl.constexpr(master_weights.BFLOAT16_ROUNDING)
-_MASTER_24_DROPPED_BITS = tl.constexpr(master_weights.MASTER_24_DROPPED_BITS)
-_MASTER_24_ROUNDING = tl.constexpr(master_weights.MASTER_24_ROUNDING)
-_MASTER_24_KEPT_MASK = tl.constexpr(-(1 << master_weights.MASTER_24_DROPPED_BITS))
-_CANONICAL_NAN_BITS = tl.constexpr(master_weights.CANONICAL_NAN_BITS)
-_FLOAT16_MANTISSA_BITS = tl.constexpr(master_weights.FLOAT16_MANTISSA_BITS)
-_FLOAT16_EXPONENT_FIELD = tl.constexpr(master_weights.FLOAT16_EXPONENT_FIELD)
-_FLOAT16_MIN_NORMAL_FIELD = tl.constexpr(master_weights.FLOAT16_MIN_NORMAL_FIELD)
-_FLOAT32_MANTISSA_BITS = tl.constexpr(master_weights.FLOAT32_MANTISSA_BITS)
-_FLOAT16_UNIT_FIELD_OFFSET_24 = tl.constexpr(master_weights.FLOAT16_UNIT_FIELD_OFFSET[torch.int8])
-_FLOAT16_UNIT_FIELD_OFFSET_32 = tl.constexpr(master_weights.FLOAT16_UNIT_FIELD_OFFSET[torch.int16])
-_CANONICAL_FLOAT16_NAN_BITS = tl.constexpr(master_weights.CANONICAL_FLOAT16_NAN_BITS)
-# A power of two's float32 exponent field is 127 plus its exponent: 2**-k's is 254 minus 2**k's.
-_FLOAT32_RECIPROCAL_FIELD = tl.constexpr(2 * 127)
-# x + 1.5 * 2**23 - 1.5 * 2**23 is x rounded to an integer, half to even, for |x| <= 2**22: the
-# sum lies in [2**23, 2**24), where float32's spacing is 1 (torch's round() of the reference).
-_ROUND_TO_INTEGER = tl.constexpr(1.5 * 2.0**23)
 # Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
 _TINY_SCALE = tl.constexpr(2.0**-125)
 _TINY_FACTOR = tl.constexpr(2.0**64)
 
 
 # --- device functions ---------------------------------------------------------------------
-# Only builtins and functions of this module: triton.language's own @jit helpers (tl.max,
-# tl.zeros, tl.randint) are interpreter functions only if TRITON_INTERPRET was set when Triton
-# was first imported, while these follow the setting when this module is imported.
+# Only builtins and functions of this module (and of master_weight_split, imported with it):
+# triton.language's own @jit helpers (tl.max, tl.zeros, tl.randint) are interpreter functions
+# only if TRITON_INTERPRET was set when Triton was first imported, while these follow the
+# setting when this module is imported.
 @triton.jit
 def _is_finite(x):
     return tl.abs(x) < float("inf")  # False for NaN too: one comparison
@@ -368,102 +350,12 @@ def _to_param_dtype(values, noise, DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.con
 
 
 @triton.jit
-def _read_master(param, correction, MASTER_WEIGHT_BITS: tl.constexpr):
-    """``master_weights.read_master``: the float32 master weight of a bfloat16 or float16
-    parameter and its correction (int8 for 24 bits, int16 for 32), with the same operations."""
-    if param.dtype == tl.float16:
-        unit_field = _float16_unit_field(param.to(tl.int16, bitcast=True).to(tl.int32), MASTER_WEIGHT_BITS)
-        unit = (unit_field << _FLOAT32_MANTISSA_BITS).to(tl.float32, bitcast=True)
-        # Subtracted as its negation, as the reference does: a zero correction keeps -0.0.
-        negated = -correction.to(tl.int32)
-        return param.to(tl.float32) - negated.to(tl.float32) * unit
-    else:
-        upper = param.to(tl.int16, bitcast=True).to(tl.int32) << _BFLOAT16_SHIFT
-        remainder = correction.to(tl.int32)
-        if MASTER_WEIGHT_BITS == 24:
-            remainder = remainder << _MASTER_24_DROPPED_BITS
-        return (upper + remainder).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _float16_unit_field(param_bits, MASTER_WEIGHT_BITS: tl.constexpr):
-    """The float32 exponent field of a float16 parameter's correction unit, from the
-    parameter's bits (``master_weights.float16_unit``)."""
-    field = (param_bits >> _FLOAT16_MANTISSA_BITS) & _FLOAT16_EXPONENT_FIELD
-    if MASTER_WEIGHT_BITS == 24:
-        offset: tl.constexpr = _FLOAT16_UNIT_FIELD_OFFSET_24
-    else:
-        offset: tl.constexpr = _FLOAT16_UNIT_FIELD_OFFSET_32
-    return tl.maximum(field, _FLOAT16_MIN_NORMAL_FIELD) + offset
-
-
-@triton.jit
-def _split_master(master, DTYPE: tl.constexpr, MASTER_WEIGHT_BITS: tl.constexpr):
-    """``master_weights.split_master``: float32 ``master`` -> (parameter of ``DTYPE``,
-    correction: int8 for 24 bits, int16 for 32)."""
-    # One return: Triton types every return of a function alike, static branches included.
-    if DTYPE == tl.float16:
-        param, steps = _split_float16_master(master, MASTER_WEIGHT_BITS)
-    else:
-        param, steps = _split_bfloat16_master(master, MASTER_WEIGHT_BITS)
-    if MASTER_WEIGHT_BITS == 24:
-        correction = steps.to(tl.int8)
-    else:
-        correction = steps.to(tl.int16)
-    return param, correction
-
-
-@triton.jit
-def _split_bfloat16_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
-    """The bfloat16 parameter and the correction (int32), with the reference's integer
-    operations: rounded half up in bit space (to a multiple of 2**8 first for 24 bits), every
-    NaN replaced by one quiet NaN."""
-    bits = tl.where(master == master, master.to(tl.int32, bitcast=True), _CANONICAL_NAN_BITS)
-    if MASTER_WEIGHT_BITS == 24:
-        bits = (bits + _MASTER_24_ROUNDING) & _MASTER_24_KEPT_MASK
-    upper = (bits + _BFLOAT16_ROUNDING) >> _BFLOAT16_SHIFT
-    remainder = bits - (upper << _BFLOAT16_SHIFT)
-    if MASTER_WEIGHT_BITS == 24:
-        remainder = remainder >> _MASTER_24_DROPPED_BITS
-    return upper.to(tl.int16).to(tl.bfloat16, bitcast=True), remainder
-
-
-@triton.jit
-def _split_float16_master(master, MASTER_WEIGHT_BITS: tl.constexpr):
-    """The float16 parameter and the correction (float32, integral), as the reference splits:
-    the residual of the master weight, then the residual of the master weight that pair holds,
-    so that at a float16 midpoint the parameter is the held weight's even neighbour and
-    reading and splitting a pair gives it back."""
-    param, steps = _float16_residual(master, MASTER_WEIGHT_BITS)
-    held = _read_master(param, steps.to(tl.int32), MASTER_WEIGHT_BITS)
-    return _float16_residual(held, MASTER_WEIGHT_BITS)
-
-
-@triton.jit
-def _float16_residual(master, MASTER_WEIGHT_BITS: tl.constexpr):
-    """``master`` rounded to float16 (nearest even, NaN to one quiet NaN) and its residual
-    counted in the parameter's unit, rounded half to even (0 for a non-finite parameter). The
-    subtraction and the scaling by a power of two are exact, so each value is the
-    reference's."""
-    param_bits = tl.where(master == master, master.to(tl.float16).to(tl.int16, bitcast=True),
-                          _CANONICAL_FLOAT16_NAN_BITS)
-    param = param_bits.to(tl.float16, bitcast=True)
-    base = param.to(tl.float32)
-    unit_field = _float16_unit_field(param_bits.to(tl.int32), MASTER_WEIGHT_BITS)
-    # Dividing by the unit (a power of two) is multiplying by its reciprocal, another one.
-    inverse_unit = ((-unit_field + _FLOAT32_RECIPROCAL_FIELD) << _FLOAT32_MANTISSA_BITS).to(
-        tl.float32, bitcast=True)
-    residual = (master - base) * inverse_unit
-    return param, tl.where(_is_finite(base), (residual + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER, 0.0)
-
-
-@triton.jit
 def _load_param(param_ptr, correction_ptr, index, mask, MASTER_WEIGHT_BITS: tl.constexpr):
     """The parameter as float32: its master weight where it keeps a correction."""
     if MASTER_WEIGHT_BITS:
         param = tl.load(param_ptr + index, mask=mask, other=0.0)
         correction = tl.load(correction_ptr + index, mask=mask, other=0)
-        return _read_master(param, correction, MASTER_WEIGHT_BITS)
+        return master_weight_split.read_master(param, correction, MASTER_WEIGHT_BITS)
     else:
         return tl.load(param_ptr + index, mask=mask, other=0.0).to(tl.float32)
 
@@ -520,7 +412,8 @@ def _update_half(param_ptr, grad_ptr, correction_ptr, half, moments, hyper, AMSG
     new_param = tl.fma(-step_size, ratio, decayed)
     new_param = tl.where(finite, new_param, param)
     if MASTER_WEIGHT_BITS:
-        new_param, new_correction = _split_master(new_param, param_ptr.dtype.element_ty, MASTER_WEIGHT_BITS)
+        new_param, new_correction = master_weight_split.split_master(new_param, param_ptr.dtype.element_ty,
+                                                                     MASTER_WEIGHT_BITS)
         tl.store(correction_ptr + index, new_correction, mask=mask)
     else:
         new_param = _to_param_dtype(new_param, noise, param_ptr.dtype.element_ty,
