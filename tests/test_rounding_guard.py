@@ -14,6 +14,7 @@ from lowbit_optim.optim.rounding_guard import (
     lost_updates,
     warn_on_lost_updates,
 )
+from lowbit_optim.step.master_weights import CORRECTION_KEY, read_master
 
 STEPS = 5
 
@@ -58,6 +59,37 @@ def test_bf16_at_a_tiny_lr_is_flagged_and_nothing_else(cls, dtype, lr, flagged):
         unchanged = float((param == old).float().mean())
         estimate = lost_fraction(param, optimizer.state[param], optimizer.param_groups[0])
         assert abs(estimate - unchanged) <= tolerance, (tuple(param.shape), unchanged, estimate)
+
+
+@pytest.mark.parametrize(("dtype", "bits", "lr", "flagged"), [
+    (torch.bfloat16, 24, 1e-5, False),
+    (torch.float16, 24, 1e-5, False),
+    (torch.bfloat16, 24, 1e-9, True),
+    (torch.bfloat16, 32, 1e-5, False),
+    (torch.bfloat16, 32, 1e-11, True),
+], ids=["bf16-mw24-lr1e-5", "fp16-mw24-lr1e-5", "bf16-mw24-lr1e-9", "bf16-mw32-lr1e-5", "bf16-mw32-lr1e-11"])
+def test_master_weights_are_judged_by_what_the_master_weight_keeps(dtype, bits, lr, flagged):
+    """With master weights an update is lost only when the master weight cannot hold it: the
+    bf16 parameters flagged at lr 1e-5 above are fine with 24-bit master weights (16
+    significant bits), which lose updates only far lower (1e-9), 32-bit ones lower still.
+    The estimate is the fraction of master weights the last step left unchanged (to within
+    the moments' 8-bit quantization, which matters for the few updates near the threshold)."""
+    model = make_model(dtype)
+    optimizer = AdamW8bit(model.parameters(), lr=lr, min_quant_size=1024, backend="eager",
+                          master_weight_bits=bits)
+
+    def masters():
+        return [read_master(p, optimizer.state[p][CORRECTION_KEY]).clone() for p in model.parameters()]
+
+    train(model, optimizer, steps=STEPS - 1)
+    before = masters()
+    train(model, optimizer, steps=1)
+    names = [name for name, _ in model.named_parameters()]
+    assert [item.name for item in lost_updates(optimizer, model=model)] == (names if flagged else [])
+    for param, old, new in zip(model.parameters(), before, masters()):
+        unchanged = float((new == old).float().mean())
+        estimate = lost_fraction(param, optimizer.state[param], optimizer.param_groups[0])
+        assert abs(estimate - unchanged) <= 0.01, (tuple(param.shape), unchanged, estimate)
 
 
 def test_warning_names_the_stalled_parameters_every_n_steps():

@@ -13,6 +13,12 @@ weight. Nothing runs unless it is called: the step is untouched (no cost when un
 a call costs one dequantization of each parameter's moments, one parameter at a time.
 ``warn_on_lost_updates`` calls it from a step post-hook every ``every`` steps and warns.
 
+With master weights (``master_weight_bits``) the weight that has to move is the master weight
+(parameter + correction), so an update is lost when writing the master weight plus the update
+back into parameter and correction leaves the master weight as it was: 24-bit master weights
+hold 16 significant bits (bf16) or 18 (float16), 32-bit ones a float32's 24, so the same check
+tells whether the master weights are fine enough for the learning rate.
+
 Elements whose update is exactly 0 (zero gradient and moment) are not counted: nothing was
 lost there. Under FSDP2 each rank reports on its own shards. ``AdamWFactored4bit``'s ratio
 bound is not applied: the estimate is of the unclamped update, which only clamps large ones.
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit_optim.state import FactoredState, QuantizedState, sharding
+from lowbit_optim.step.master_weights import CORRECTION_KEY, read_master, split_master
 from lowbit_optim.step.math import compute_dtype, parameter_update
 
 
@@ -64,8 +71,14 @@ def lost_fraction(param: torch.Tensor, state: dict, group: dict) -> float | None
     if not state or float(state["step"]) == 0:
         return None
     stored = sharding.local(param).detach()
-    dtype = compute_dtype(stored)
-    value = stored.to(dtype)
+    correction = state.get(CORRECTION_KEY)
+    if correction is not None:
+        correction = sharding.local(correction)
+        master = read_master(stored, correction)
+    # Against a float32 master weight the update is computed in float64: in float32 an update
+    # below half its ulp would already round to exactly 0 and go uncounted.
+    dtype = compute_dtype(stored) if correction is None else torch.float64
+    value = stored.to(dtype) if correction is None else master.to(dtype)
     second = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
     exp_avg = _dequantized(state["exp_avg"], dtype)
     if group["maximize"]:
@@ -79,11 +92,15 @@ def lost_fraction(param: torch.Tensor, state: dict, group: dict) -> float | None
         decoupled_weight_decay=group.get("decoupled_weight_decay", True),
     )
     update = (updated - value).abs()
-    magnitude = stored.abs()
-    half_ulp = (torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude).to(dtype) / 2
     moving = update > 0
+    if correction is None:
+        magnitude = stored.abs()
+        ulp = torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude
+        lost = update < ulp.to(dtype) / 2
+    else:
+        lost = read_master(*split_master(updated.float(), stored.dtype, correction.dtype)) == master
     count = int(moving.sum())
-    return int((moving & (update < half_ulp)).sum()) / count if count else 0.0
+    return int((moving & lost).sum()) / count if count else 0.0
 
 
 def lost_updates(optimizer, *, threshold: float = 0.5,
