@@ -51,7 +51,7 @@ from kernel_helpers import (
     reference_step,
 )
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, release_gradients
 from lowbit_optim.step.master_weights import CORRECTION_KEY, correction_dtype, read_master, split_master
 
 pytest.importorskip("triton")  # the kernels' package: imported by conftest under the interpreter
@@ -339,3 +339,28 @@ def test_custom_op_with_master_weights_under_torch_compile():
         for state, other_state in zip(states, other_states):
             assert torch.equal(state.codes, other_state.codes)
 
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_gradient_release_with_master_weights_matches_ordinary_stepping():
+    """``release_gradients`` steps each parameter through the kernel in backward: parameters
+    and corrections bit for bit those of ordinary stepping."""
+    runs = []
+    for release in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 70)).to(torch.bfloat16)
+        optimizer = AdamW4bit(model.parameters(), lr=1e-3, min_quant_size=1024, backend="triton",
+                              master_weight_bits=24)
+        if release:
+            release_gradients(optimizer)
+        for step in range(2):
+            inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).bfloat16()
+            model(inputs).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append((list(model.parameters()), optimizer))
+    (params, ordinary), (released_params, released) = runs
+    assert ordinary._plans[0].rule_plan.triton_indices == [0, 2]  # both weights through the kernel
+    for param, other in zip(params, released_params):
+        assert same_bits(param.detach(), other.detach())
+        assert torch.equal(ordinary.state[param][CORRECTION_KEY], released.state[other][CORRECTION_KEY])

@@ -13,7 +13,10 @@ Per element, with ``m, v`` (and ``v_max`` under amsgrad) decoded from their code
     (p', m', v', v_max') = finite ? (p', m', v', v_max') : (p, m, v, v_max)
 
 then each moment is requantized per block: ``scale = max |x|`` over the block's finite
-values, ``code = nearest(x * (1 / scale))``. The oracle is
+values, ``code = nearest(x * (1 / scale))``. With master weights (the ``MASTER_WEIGHT_BITS``
+variants) ``p`` is the float32 master weight read from the bfloat16 or float16 parameter and
+its correction, and ``p'`` is split back into both (``master_weight_split``, exactly as
+``lowbit_optim.step.master_weights`` reads and splits). The oracle is
 ``lowbit_optim.step.quantized.quantized_adamw_step`` (tests/test_triton.py). The moments
 ``m', v', v_max'`` and the block scales are computed operation for operation as there
 (multiply-add contraction is off: ``enable_fp_fusion=False``), so scales match bit for bit.
