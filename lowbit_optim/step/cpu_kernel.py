@@ -1,8 +1,9 @@
-"""The one-pass CPU step: a C++ kernel, built on first use, behind ``lowbit_optim::cpu_adamw_step``.
+"""The one-pass CPU step: a C++ kernel, built on first use, behind ``lowbit_optim::cpu_rule_step``.
 
 For each block of a parameter it loads the parameter, gradient, codes and scales, decodes,
-updates (``step.math.adamw_update``), takes the block's absmax and encodes, with nothing of
-the parameter's size written in between (``csrc/cpu_step_kernel.h``); AVX-512, AVX2 and a
+updates (the rule's functor, ``csrc/rules/<name>.h``: AdamW's ``step.math.adamw_update``,
+Lion's and AdEMAMix's ``update``), takes the block's absmax and encodes, with nothing of the
+parameter's size written in between (``csrc/cpu_step_kernel.h``); AVX-512, AVX2 and a
 portable path are chosen at run time, threaded over blocks with ``at::parallel_for``. The
 compiled step keeps several passes and float32 buffers between them (docs/design.md), which
 is what this replaces for CPU parameters.
@@ -20,6 +21,7 @@ import os
 import pathlib
 import struct
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +30,8 @@ from lowbit_optim.formats.catalog import QuantFormat
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
 SOURCES = ("cpu_step_op.cpp", "cpu_step_avx512.cpp", "cpu_step_avx2.cpp", "cpu_step_scalar.cpp")
-HEADERS = ("cpu_step_args.h", "cpu_step_vector_ops.h", "cpu_step_kernel.h")
+HEADERS = ("cpu_step_args.h", "cpu_step_vector_ops.h", "cpu_step_kernel.h", "rules/adamw.h", "rules/lion.h",
+           "rules/ademamix.h")
 # -ffp-contract=off: no multiply-add may be fused, so every path rounds exactly where the
 # reference (eager PyTorch, which never fuses) rounds.
 # -fopenmp: with torch's OpenMP build, ``at::parallel_for`` is a header-inline
@@ -41,6 +44,10 @@ LDFLAGS = ["-fopenmp"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_ENV = "LOWBIT_OPTIM_CPU_ISA"
 MAX_BLOCK_SIZE = 2048
+
+# The rules with a functor (``csrc/rules/<name>.h``), by the name a rule module declares as its
+# ``cpu_functor``: cpu_step_args.h's RuleId.
+RULE_FUNCTORS = {"adamw": 0, "lion": 1, "ademamix": 2}
 
 # cpu_step_args.h's StateKind and Encoder.
 _KIND = {4: 1, 8: 0}
@@ -78,7 +85,7 @@ def load() -> bool:
             RuntimeWarning, stacklevel=2,
         )
         return False
-    torch.library.register_fake("lowbit_optim::cpu_adamw_step")(_fake_step)
+    torch.library.register_fake("lowbit_optim::cpu_rule_step")(_fake_step)
     return True
 
 
@@ -153,65 +160,102 @@ def encoder_constants(codec) -> list[float]:
     return values
 
 
+class FormatConstants(NamedTuple):
+    """What the kernel reads of a rule's moment formats: the state kind, each moment's decode
+    table and its encoder's constants (one row per moment)."""
+
+    kind: int
+    tables: list[torch.Tensor]
+    encoders: torch.Tensor
+
+
 @functools.cache
-def format_pair_constants(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat):
-    """``(kind, exp_avg table, exp_avg_sq table, encoders)`` for a state kind, made once."""
-    encoders = [encoder_constants(fmt.codec) for fmt in (exp_avg_format, exp_avg_sq_format)]
-    encoders = torch.tensor(encoders, dtype=torch.float32)
-    tables = [fmt.table.to(torch.float32).contiguous() for fmt in (exp_avg_format, exp_avg_sq_format)]
-    return _KIND[exp_avg_format.bits], tables[0], tables[1], encoders
+def format_constants(formats: tuple[QuantFormat, ...]) -> FormatConstants:
+    """``FormatConstants`` of a rule's moment formats (in its moment order), made once."""
+    encoders = torch.tensor([encoder_constants(fmt.codec) for fmt in formats], dtype=torch.float32)
+    tables = [fmt.table.to(torch.float32).contiguous() for fmt in formats]
+    return FormatConstants(_KIND[formats[0].bits], tables, encoders)
 
 
-def supports(exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
-             param: torch.Tensor, grad: torch.Tensor) -> bool:
+def supports(formats: tuple[QuantFormat, ...], block_size: int, param: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether the kernel takes this parameter (else the compiled step does): CPU, float32,
-    bfloat16 or float16 parameters with a gradient of the same dtype, both moments of one
-    width with encoders the kernel has, blocks of at most ``MAX_BLOCK_SIZE``. float64
-    parameters (updated in float64 by the reference) go to the compiled step. A bfloat16 or
-    float16 parameter's master weight correction is taken with it (``weight_correction``)."""
+    bfloat16 or float16 parameters with a gradient of the same dtype, every moment of one
+    width with an encoder the kernel has (``formats``: the rule's moment formats), blocks of at
+    most ``MAX_BLOCK_SIZE``. float64 parameters (updated in float64 by the reference) go to the
+    compiled step. A bfloat16 or float16 parameter's master weight correction is taken with it
+    (``weight_correction``)."""
     if param.device.type != "cpu" or grad.device.type != "cpu" or grad.dtype != param.dtype:
         return False
     if not load():
         return False
     if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if exp_avg_format.bits != exp_avg_sq_format.bits or exp_avg_format.bits not in _KIND:
+    if len({fmt.bits for fmt in formats}) != 1 or formats[0].bits not in _KIND:
         return False
     if block_size > MAX_BLOCK_SIZE or block_size % 4:
         return False
     try:
-        format_pair_constants(exp_avg_format, exp_avg_sq_format)
+        format_constants(tuple(formats))
     except ValueError:
         return False
     return True
 
 
-def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
-                   stochastic_round: bool, decoupled_weight_decay: bool = True,
-                   isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
-    """One parameter's step with the kernel, in place: ``quantized_adamw_step``'s result.
+class KernelOptions(NamedTuple):
+    """The flags of one kernel call: the shared policies and the instruction-set path
+    (``None``: ``default_isa()``)."""
 
-    ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
-    of the whole parameter; ``scalars`` a ``step.math.StepScalars`` of 0-d CPU tensors.
-    ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``).
-    ``weight_correction``: a bfloat16 or float16 parameter's master weight correction (int8 or
-    int16, ``step.master_weights``), read and written with the parameter as its master weight.
-    A non-contiguous parameter (or correction) steps a contiguous copy, written back afterwards.
+    maximize: bool
+    stochastic_round: bool
+    isa: str | None = None
+
+
+def cpu_rule_step(param, grad, moments: tuple, values: list[torch.Tensor], *, functor: str,
+                  options: KernelOptions, weight_correction: torch.Tensor | None = None,
+                  formats: tuple[QuantFormat, ...] | None = None) -> None:
+    """One parameter's step with the kernel, in place: the rule's quantized step's result.
+
+    ``moments``: the rule's ``QuantizedState``s of the whole parameter, in its moment order;
+    ``values``: the 0-d CPU tensors its functor reads (``csrc/rules/<functor>.h``: for Lion
+    and AdEMAMix their ``step_constants`` fields in order); ``functor``: a key of
+    ``RULE_FUNCTORS``. ``weight_correction``: a bfloat16 or float16 parameter's master weight
+    correction (int8 or int16, ``step.master_weights``), read and written with the parameter
+    as its master weight. ``formats``: the formats whose decode table and encoder each moment
+    uses (default: its own). A non-contiguous parameter (or correction) steps a contiguous
+    copy, written back afterwards.
     """
-    kind, exp_avg_table, exp_avg_sq_table, encoders = format_pair_constants(exp_avg.format, exp_avg_sq.format)
+    constants = format_constants(formats or tuple(moment.format for moment in moments))
     works = [param.detach()] + ([] if weight_correction is None else [weight_correction])
     contiguous = [work if work.is_contiguous() else work.contiguous() for work in works]
-    grad = grad.detach().contiguous()
-    lr, beta1, beta2, eps, weight_decay, step = scalars
-    torch.ops.lowbit_optim.cpu_adamw_step(
-        contiguous[0], grad, exp_avg.codes, exp_avg.scales, exp_avg_sq.codes, exp_avg_sq.scales,
-        None if max_exp_avg_sq is None else max_exp_avg_sq.codes,
-        None if max_exp_avg_sq is None else max_exp_avg_sq.scales,
-        None if weight_correction is None else contiguous[1],
-        exp_avg_table, exp_avg_sq_table, encoders, lr, beta1, beta2, eps, weight_decay, step,
-        kind, exp_avg.block_size, maximize, decoupled_weight_decay, stochastic_round,
-        ISAS[isa or default_isa()],
+    torch.ops.lowbit_optim.cpu_rule_step(
+        contiguous[0], grad.detach().contiguous(), [m.codes for m in moments], [m.scales for m in moments],
+        None if weight_correction is None else contiguous[1], constants.tables, constants.encoders,
+        values, RULE_FUNCTORS[functor], constants.kind, moments[0].block_size, options.maximize,
+        options.stochastic_round, ISAS[options.isa or default_isa()],
     )
     for work, copy in zip(works, contiguous):
         if copy is not work:
             work.copy_(copy)
+
+
+# AdamW's functor reads its weight decay's kind as a host value (1: decoupled, 0: L2).
+_DECOUPLED = {True: torch.tensor(1.0, dtype=torch.float64), False: torch.tensor(0.0, dtype=torch.float64)}
+
+
+def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
+                   stochastic_round: bool, decoupled_weight_decay: bool = True,
+                   isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
+    """One AdamW parameter's step with the kernel, in place: ``quantized_adamw_step``'s result.
+
+    ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
+    of the whole parameter; ``scalars`` a ``step.math.StepScalars`` of 0-d CPU tensors.
+    ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``).
+    ``weight_correction`` as in ``cpu_rule_step``. amsgrad's maximum is decoded and encoded
+    with the second moment's table and encoder.
+    """
+    moments = (exp_avg, exp_avg_sq) if max_exp_avg_sq is None else (exp_avg, exp_avg_sq, max_exp_avg_sq)
+    formats = (exp_avg.format, exp_avg_sq.format, exp_avg_sq.format)[:len(moments)]
+    values = [*scalars, _DECOUPLED[bool(decoupled_weight_decay)]]  # lr, beta1, beta2, eps, wd, step
+    cpu_rule_step(param, grad, moments, values, functor="adamw",
+                  options=KernelOptions(maximize, stochastic_round, isa),
+                  weight_correction=weight_correction, formats=formats)

@@ -87,7 +87,7 @@ class AdamWPlan:
             elif backend == "triton" and entry.param.dtype != torch.float64:
                 triton_entries.append(index)  # master weights included
             elif (backend == "cpu"
-                  and cpu_kernel.supports(entry.exp_avg.format, entry.exp_avg_sq.format,
+                  and cpu_kernel.supports((entry.exp_avg.format, entry.exp_avg_sq.format),
                                           entry.exp_avg.block_size, entry.param, entry.grad)):
                 # Master weights included; every case ``supports`` turns down takes the
                 # compiled step.

@@ -28,6 +28,24 @@ struct EncoderConstants {
   float zero_code;
 };
 
+// The update rules the kernel steps, each a functor in rules/<name>.h (cpu_step_kernel.h
+// instantiates the block step once per rule); the number is lowbit_optim/step/cpu_kernel.py's
+// RULE_FUNCTORS.
+enum RuleId : int32_t { kAdamW = 0, kLion = 1, kAdEMAMix = 2 };
+constexpr int kMaxMoments = 3;
+constexpr int kMaxRuleValues = 16;
+
+// What the operator checks of a rule's inputs before any block runs: how many host values its
+// functor reads (rule_values) and how many moments it keeps.
+struct RuleShape {
+  int32_t values, min_moments, max_moments;
+};
+constexpr RuleShape kRuleShapes[] = {
+    {7, 2, 3},    // kAdamW: lr, beta1, beta2, eps, weight_decay, step, decoupled; amsgrad's third moment
+    {4, 1, 1},    // kLion: LionConstants
+    {11, 3, 3},   // kAdEMAMix: AdEMAMixConstants
+};
+
 struct StepArgs {
   void* param;
   const void* grad;
@@ -35,17 +53,17 @@ struct StepArgs {
   int32_t kind;
   int64_t numel;
   int64_t block_size;
-  uint8_t* codes[3];   // exp_avg, exp_avg_sq, max_exp_avg_sq (null without amsgrad)
-  float* scales[3];
-  const float* tables[2];  // decode tables of the first and second moment (16 or 256 floats)
-  EncoderConstants encoders[2];
-  // Hyperparameters rounded to float32 where the reference multiplies a float32 tensor by a
-  // float64 0-d tensor (torch rounds the scalar to float32 first).
-  float one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
-  float max_ratio;      // step.math.adam_ratio_bound: |exp_avg / denom| is clamped to it
-  float decay;          // 1 - lr * weight_decay (decoupled)
-  float weight_decay;   // L2 (not decoupled)
-  int32_t maximize, decoupled, amsgrad, stochastic_round;
+  int32_t rule;          // RuleId
+  int32_t moment_count;  // codes, scales, tables and encoders in use, in the rule's moment order
+  uint8_t* codes[kMaxMoments];
+  float* scales[kMaxMoments];
+  const float* tables[kMaxMoments];  // decode tables (16 or 256 floats)
+  EncoderConstants encoders[kMaxMoments];
+  // The rule's per-step values as the host holds them (0-d float64 tensors, read once per
+  // call): its functor forms its float32 constants from them as the reference's 0-d float64
+  // arithmetic does (rules/*.h).
+  double rule_values[kMaxRuleValues];
+  int32_t maximize, stochastic_round;
   uint64_t seed;
   // A bfloat16 or float16 parameter's master weight correction (lowbit_optim/step/master_weights.py):
   // int8 for 24-bit master weights, int16 for 32-bit, one per element; null (and

@@ -2,13 +2,21 @@
 // cpu_step_avx2.cpp (through cpu_step_vector_ops.h) and cpu_step_scalar.cpp each define V
 // and include this file once.
 //
-// Per block: load parameter, gradient, codes and scales -> decode -> AdamW update -> the
+// Per block: load parameter, gradient, codes and scales -> decode -> the rule's update -> the
 // block's absmax -> encode -> store. The updated moments wait in a block-sized buffer on the
 // stack (L1) between the update and the encode, because the encode needs the whole block's
 // absmax first; nothing of the parameter's size is ever written besides the outputs.
 //
-// Every float operation is the one the reference (lowbit_optim/step/math.py::adamw_update
-// and formats/codecs.py, eager) performs, in the same order, in float32, and the file is built
+// The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h: its float32
+// constants, formed once per call from the host's values, and `update` on vectors: parameter,
+// gradient and decoded moments -> new parameter and moments); the block step is instantiated
+// once per rule and parameter width. What every rule shares lives here, not in the functors
+// (as lowbit_optim/step/rule_step.py::apply_rule): maximize negates the gradient, an element
+// whose gradient is NaN or +-inf keeps its parameter and moments, bfloat16/float16 rounding,
+// stochastic rounding and master weights.
+//
+// Every float operation is the one the reference (the rule's update, formats/codecs.py and
+// the shared policies, eager or compiled) performs, in the same order, in float32, and the file is built
 // with -ffp-contract=off, so no multiply-add is fused: parameters and codes come out bit for
 // bit as the reference's, on every path (vector width changes nothing, every operation is
 // elementwise and the absmax is exact in any order).
@@ -20,6 +28,9 @@
 #include <cstdint>
 
 #include "cpu_step_args.h"
+#include "rules/ademamix.h"
+#include "rules/adamw.h"
+#include "rules/lion.h"
 
 namespace lowbit_cpu {
 namespace LOWBIT_ISA {
@@ -142,59 +153,34 @@ inline I float16_residual(F value, bool master24, I& steps) {
   return V::iselect(V::eq(value, value), half, V::set1i(kCanonicalHalfNan));
 }
 
-template <typename T>
+template <typename Rule, typename T>
 struct Block {
   const StepArgs& a;
+  const Rule& rule;
   T* param;
   const T* grad;
   void* correction;  // the block's master weight correction, or null
   int64_t block;
-  float scale[3];
-  F absmax[3];
-  float* moments[3];  // the updated moments of the block, before encoding
+  float scale[kMaxMoments];
+  F absmax[kMaxMoments];
+  float* moments[kMaxMoments];  // the updated moments of the block, before encoding
   uint32_t noise_key;
 
   // Update the W elements starting at `offset` of the block, their codes given.
-  inline void update(int64_t offset, const I codes[3]) {
-    const bool amsgrad = a.amsgrad;
-    F exp_avg = V::mul(decode(0, codes[0]), V::set1(scale[0]));
-    F exp_avg_sq = V::mul(decode(1, codes[1]), V::set1(scale[1]));
+  inline void update(int64_t offset, const I codes[kMaxMoments]) {
+    const int count = rule.moment_count();
+    F decoded[kMaxMoments], updated[kMaxMoments];
+    for (int s = 0; s < count; ++s) decoded[s] = V::mul(decode(s, codes[s]), V::set1(scale[s]));
     F p = load_weight(offset);
     F g = V::load_param(grad + offset, a.param_dtype);
     if (a.maximize) g = V::neg(g);
     M finite = V::isfinite(g);
-    F safe_grad = V::select(finite, g, V::set1(0.0f));
-    if (!a.decoupled) safe_grad = V::add(safe_grad, V::mul(V::set1(a.weight_decay), p));
-    F new_exp_avg = V::add(exp_avg, V::mul(V::set1(a.one_minus_beta1), V::sub(safe_grad, exp_avg)));
-    F square = V::mul(V::mul(V::set1(a.one_minus_beta2), safe_grad), safe_grad);
-    F new_exp_avg_sq = V::add(V::mul(exp_avg_sq, V::set1(a.beta2)), square);
-    F second = new_exp_avg_sq;
-    F new_max;
-    if (amsgrad) {
-      F max_sq = V::mul(decode(1, codes[2]), V::set1(scale[2]));
-      new_max = V::max(max_sq, new_exp_avg_sq);  // no NaN reaches it: torch.maximum's NaN rule is moot
-      second = new_max;
-      new_max = V::select(finite, new_max, max_sq);
-    }
-    F denom = V::add(V::div(V::sqrt(second), V::set1(a.bias_correction2_sqrt)), V::set1(a.eps));
-    F decayed = a.decoupled ? V::mul(p, V::set1(a.decay)) : p;
-    // clamp(-max_ratio, max_ratio), NaN kept as torch's clamp keeps it: the vector max/min
-    // return their second operand when either is NaN.
-    F ratio = V::div(new_exp_avg, denom);
-    ratio = V::min(V::set1(a.max_ratio), V::max(V::set1(-a.max_ratio), ratio));
-    F new_param = V::sub(decayed, V::mul(V::set1(a.step_size), ratio));
-    new_param = V::select(finite, new_param, p);
-    new_exp_avg = V::select(finite, new_exp_avg, exp_avg);
-    new_exp_avg_sq = V::select(finite, new_exp_avg_sq, exp_avg_sq);
-
-    store_weight(offset, new_param);
-    V::storef(moments[0] + offset, new_exp_avg);
-    V::storef(moments[1] + offset, new_exp_avg_sq);
-    absmax[0] = V::max(absmax[0], finite_magnitude(new_exp_avg));
-    absmax[1] = V::max(absmax[1], finite_magnitude(new_exp_avg_sq));
-    if (amsgrad) {
-      V::storef(moments[2] + offset, new_max);
-      absmax[2] = V::max(absmax[2], finite_magnitude(new_max));
+    F new_param = rule.update(p, V::select(finite, g, V::set1(0.0f)), decoded, updated);
+    store_weight(offset, V::select(finite, new_param, p));
+    for (int s = 0; s < count; ++s) {
+      const F kept = V::select(finite, updated[s], decoded[s]);
+      V::storef(moments[s] + offset, kept);
+      absmax[s] = V::max(absmax[s], finite_magnitude(kept));
     }
   }
 
@@ -270,26 +256,37 @@ struct Block {
     return a.kind == kNibble4 ? V::lookup16(a.tables[moment], codes) : V::gather256(a.tables[moment], codes);
   }
 
-  inline I encode_at(int slot, int64_t offset, F divisor) const {
-    return encode(a.encoders[slot == 0 ? 0 : 1], normalize(V::loadf(moments[slot] + offset), divisor));
+  inline I encode_at(int moment, int64_t offset, F divisor) const {
+    return encode(a.encoders[moment], normalize(V::loadf(moments[moment] + offset), divisor));
   }
 };
 
+// The block's parameter, gradient and correction (if any) as its step reads them.
 template <typename T>
-void step_block(const StepArgs& a, T* param, const T* grad, void* correction, int64_t block, float* buffers) {
+struct BlockData {
+  T* param;
+  const T* grad;
+  void* correction;
+  int64_t block;
+};
+
+template <typename Rule, typename T>
+void step_block(const StepArgs& a, const Rule& rule, const BlockData<T>& data, float* buffers) {
   const int64_t size = a.block_size;
-  const int slots = a.amsgrad ? 3 : 2;
-  Block<T> b{a, param, grad, correction, block, {}, {}, {buffers, buffers + kMaxBlock, buffers + 2 * kMaxBlock},
-             a.stochastic_round ? mix32(a.seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL)) : 0u};
+  const int64_t block = data.block;
+  const int slots = rule.moment_count();
+  Block<Rule, T> b{a, rule, data.param, data.grad, data.correction, block, {}, {},
+                   {buffers, buffers + kMaxBlock, buffers + 2 * kMaxBlock},
+                   a.stochastic_round ? mix32(a.seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL)) : 0u};
   for (int s = 0; s < slots; ++s) {
     b.scale[s] = a.scales[s][block];
     b.absmax[s] = V::set1(0.0f);
   }
-  I codes[3];
+  I codes[kMaxMoments];
   if (a.kind == kNibble4) {
     const int64_t half = size / 2;
     for (int64_t j = 0; j < half; j += W) {
-      I packed[3];
+      I packed[kMaxMoments];
       for (int s = 0; s < slots; ++s) packed[s] = V::load_u8(a.codes[s] + block * half + j);
       for (int s = 0; s < slots; ++s) codes[s] = V::iand(packed[s], V::set1i(15));
       b.update(j, codes);
@@ -320,8 +317,8 @@ void step_block(const StepArgs& a, T* param, const T* grad, void* correction, in
   }
 }
 
-template <typename T>
-void step_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
+template <typename Rule, typename T>
+void step_range(const StepArgs& a, const Rule& rule, int64_t first_block, int64_t end_block) {
   alignas(64) float buffers[3 * kMaxBlock];
   T* param = static_cast<T*>(a.param);
   const T* grad = static_cast<const T*>(a.grad);
@@ -332,7 +329,7 @@ void step_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
   for (int64_t block = first_block; block < end_block; ++block) {
     uint8_t* block_correction = correction ? correction + block * size * correction_bytes : nullptr;
     if (block < whole_blocks) {
-      step_block<T>(a, param + block * size, grad + block * size, block_correction, block, buffers);
+      step_block(a, rule, BlockData<T>{param + block * size, grad + block * size, block_correction, block}, buffers);
       continue;
     }
     // The partial last block, zero-padded as step.chunks.for_each_block_chunk pads it: the
@@ -348,17 +345,27 @@ void step_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
     if (correction)
       for (int64_t i = 0; i < size * correction_bytes; ++i)
         correction_block[i] = i < tail * correction_bytes ? block_correction[i] : 0;
-    step_block<T>(a, param_block, grad_block, correction ? correction_block : nullptr, block, buffers);
+    step_block(a, rule, BlockData<T>{param_block, grad_block, correction ? correction_block : nullptr, block}, buffers);
     for (int64_t i = 0; i < tail; ++i) param[block * size + i] = param_block[i];
     if (correction)
       for (int64_t i = 0; i < tail * correction_bytes; ++i) block_correction[i] = correction_block[i];
   }
 }
 
-void run_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
+template <typename Rule>
+void run_rule(const StepArgs& a, int64_t first_block, int64_t end_block) {
+  const Rule rule(a);
   switch (a.param_dtype) {
-    case kFloat32: step_range<float>(a, first_block, end_block); break;
-    default: step_range<uint16_t>(a, first_block, end_block); break;
+    case kFloat32: step_range<Rule, float>(a, rule, first_block, end_block); break;
+    default: step_range<Rule, uint16_t>(a, rule, first_block, end_block); break;
+  }
+}
+
+void run_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
+  switch (a.rule) {
+    case kLion: run_rule<LionRule>(a, first_block, end_block); break;
+    case kAdEMAMix: run_rule<AdEMAMixRule>(a, first_block, end_block); break;
+    default: run_rule<AdamWRule>(a, first_block, end_block); break;
   }
 }
 

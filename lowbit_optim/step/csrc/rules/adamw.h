@@ -1,0 +1,78 @@
+// The AdamW (and Adam, L2 decay) rule's element-wise step for the CPU kernel: the update of
+// lowbit_optim/step/math.py::adamw_update, operation for operation, in float32.
+//
+// Host values (cpu_step_args.h's kRuleShapes): lr, beta1, beta2, eps, weight_decay, step,
+// decoupled (1: AdamW's decoupled decay, 0: Adam's L2 term). Moments: exp_avg, exp_avg_sq and,
+// with amsgrad, max_exp_avg_sq. Included by cpu_step_kernel.h once per instruction set, with V
+// that set's vector operations; the kernel applies the shared policies (maximize, a non-finite
+// gradient keeping its element, rounding, master weights) around `update`.
+#pragma once
+#include "../cpu_step_args.h"
+
+namespace lowbit_cpu {
+namespace LOWBIT_ISA {
+namespace {
+
+struct AdamWRule {
+  using F = V::F;
+  // As adamw_update computes them from 0-d float64 tensors: every 0-d result is float64,
+  // rounded to float32 where it meets a float32 tensor; the bias corrections are pow and sqrt
+  // in float64, as torch's scalar kernels compute them.
+  float one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+  float max_ratio;     // step.math.adam_ratio_bound: |exp_avg / denom| is clamped to it
+  float decay;         // 1 - lr * weight_decay (decoupled)
+  float weight_decay;  // L2 (not decoupled)
+  bool decoupled, amsgrad;
+
+  explicit AdamWRule(const StepArgs& a) {
+    const double lr = a.rule_values[0], beta1_v = a.rule_values[1], beta2_v = a.rule_values[2];
+    const double eps_v = a.rule_values[3], weight_decay_v = a.rule_values[4], step = a.rule_values[5];
+    decoupled = a.rule_values[6] != 0.0;
+    amsgrad = a.moment_count == 3;
+    const double bias_correction1 = 1.0 - __builtin_pow(beta1_v, step);
+    const double correction2_sqrt = __builtin_sqrt(1.0 - __builtin_pow(beta2_v, step));
+    // step.math.adam_ratio_bound, operation for operation (torch squares with a multiply).
+    const double gamma = beta1_v * beta1_v / beta2_v;
+    const double geometric = gamma == 1.0 ? step : (1.0 - __builtin_pow(gamma, step)) / (1.0 - gamma);
+    const double bound = (1.0 - beta1_v) * __builtin_sqrt(geometric / (1.0 - beta2_v)) * correction2_sqrt;
+    max_ratio = beta2_v <= 0.0 ? __builtin_inff() : static_cast<float>(bound);
+    one_minus_beta1 = static_cast<float>(1.0 - beta1_v);
+    beta2 = static_cast<float>(beta2_v);
+    one_minus_beta2 = static_cast<float>(1.0 - beta2_v);
+    step_size = static_cast<float>(lr / bias_correction1);
+    bias_correction2_sqrt = static_cast<float>(correction2_sqrt);
+    eps = static_cast<float>(eps_v);
+    decay = static_cast<float>(1.0 - lr * weight_decay_v);
+    weight_decay = static_cast<float>(weight_decay_v);
+  }
+
+  int moment_count() const { return amsgrad ? 3 : 2; }
+
+  // The new parameter from `p` (the master weight where there is one) and a finite gradient
+  // `g`; the new moments into `updated`.
+  inline F update(F p, F g, const F* moments, F* updated) const {
+    if (!decoupled) g = V::add(g, V::mul(V::set1(weight_decay), p));
+    const F exp_avg = moments[0];
+    const F new_exp_avg = V::add(exp_avg, V::mul(V::set1(one_minus_beta1), V::sub(g, exp_avg)));
+    const F square = V::mul(V::mul(V::set1(one_minus_beta2), g), g);
+    const F new_exp_avg_sq = V::add(V::mul(moments[1], V::set1(beta2)), square);
+    F second = new_exp_avg_sq;
+    if (amsgrad) {
+      second = V::max(moments[2], new_exp_avg_sq);  // no NaN reaches it: torch.maximum's NaN rule is moot
+      updated[2] = second;
+    }
+    updated[0] = new_exp_avg;
+    updated[1] = new_exp_avg_sq;
+    const F denom = V::add(V::div(V::sqrt(second), V::set1(bias_correction2_sqrt)), V::set1(eps));
+    const F decayed = decoupled ? V::mul(p, V::set1(decay)) : p;
+    // clamp(-max_ratio, max_ratio), NaN kept as torch's clamp keeps it: the vector max/min
+    // return their second operand when either is NaN.
+    F ratio = V::div(new_exp_avg, denom);
+    ratio = V::min(V::set1(max_ratio), V::max(V::set1(-max_ratio), ratio));
+    return V::sub(decayed, V::mul(V::set1(step_size), ratio));
+  }
+};
+
+}  // namespace
+}  // namespace LOWBIT_ISA
+}  // namespace lowbit_cpu
