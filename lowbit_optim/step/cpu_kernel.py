@@ -177,7 +177,8 @@ def format_constants(formats: tuple[QuantFormat, ...]) -> FormatConstants:
     return FormatConstants(_KIND[formats[0].bits], tables, encoders)
 
 
-def supports(formats: tuple[QuantFormat, ...], block_size: int, param: torch.Tensor, grad: torch.Tensor) -> bool:
+def supports(formats: tuple[QuantFormat, ...], block_size: int, param: torch.Tensor,
+             grad: torch.Tensor) -> bool:
     """Whether the kernel takes this parameter (else the compiled step does): CPU, float32,
     bfloat16 or float16 parameters with a gradient of the same dtype, every moment of one
     width with an encoder the kernel has (``formats``: the rule's moment formats), blocks of at

@@ -9,8 +9,11 @@ whose gradient is NaN or ±inf keeps its parameter and its moments for that step
 parameters are written by rounding (bf16: or stochastic rounding) or through their master weight
 (``master_weights``).
 
-The Triton and C++ kernels are AdamW's (``rules.adamw``): a rule without kernels of its own
-steps through the compiled step on every backend, which is also the reference on every device.
+With ``backend="cpu"`` a rule that names a C++ functor (``UpdateRule.cpu_functor``: Lion,
+AdEMAMix) steps its quantized parameters in the one-pass CPU kernel (``cpu_kernel``), which
+applies the same policies around the functor; the rest (and every parameter ``cpu_kernel.supports``
+turns down: float64, blocks above 2048) takes the compiled step, which is also the reference
+on every device. The Triton kernels are AdamW's (``rules.adamw``).
 """
 
 import functools
@@ -20,6 +23,7 @@ import torch
 
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state.quantized import QuantizedState
+from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.chunks import (
     CompiledVariants,
     TailScratch,
@@ -106,8 +110,12 @@ class RulePlan:
     def __init__(self, rule, entries: list[RuleEntry], backend: str):
         self.rule = rule
         self.compiled = backend != "eager"
-        self.quantized = [(index, entry._replace(grad=None)) for index, entry in enumerate(entries)
-                          if isinstance(entry.moments[0], QuantizedState)]
+        self.quantized, self.cpu_kernel = [], []  # (index, entry) stepped one by one
+        for index, entry in enumerate(entries):
+            if isinstance(entry.moments[0], QuantizedState):
+                by_kernel = backend == "cpu" and _kernel_takes(rule, entry)
+                (self.cpu_kernel if by_kernel else self.quantized).append((index, entry._replace(grad=None)))
+        self.isa = cpu_kernel.default_isa() if self.cpu_kernel else None
         self.float_state = []
         floats = [(index, entry) for index, entry in enumerate(entries)
                   if not isinstance(entry.moments[0], QuantizedState)]
@@ -121,6 +129,15 @@ class RulePlan:
     def run(self, grads: list[torch.Tensor], scalars, options: StepOptions, scratch: TailScratch) -> None:
         """One step of every parameter (``scalars``: the group's ``hyperparams.GroupScalars``)."""
         constants_of = _ConstantsPerStep(self.rule, scalars)
+        kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
+        for index, entry in self.cpu_kernel:
+            grad = grads[index]
+            if grad.dtype != entry.param.dtype:  # planned with a gradient of the parameter's dtype
+                self._quantized(entry._replace(grad=grad), constants_of(entry.step), options, scratch)
+                continue
+            cpu_kernel.cpu_rule_step(entry.param, grad, entry.moments, list(constants_of(entry.step)),
+                                     functor=self.rule.cpu_functor, options=kernel_options,
+                                     weight_correction=entry.weight_correction)
         for index, entry in self.quantized:
             self._quantized(entry._replace(grad=grads[index]), constants_of(entry.step), options, scratch)
         for indices, step, float_step in self.float_state:
@@ -145,6 +162,14 @@ class RulePlan:
 
         for_each_block_chunk(entry.param, entry.grad, entry.moments[0].block_size, scratch, update,
                              weight_correction=entry.weight_correction)
+
+
+def _kernel_takes(rule, entry: RuleEntry) -> bool:
+    """Whether the C++ CPU kernel steps this quantized entry: the rule has a functor and the
+    kernel the parameter and formats (``cpu_kernel.supports``)."""
+    formats = tuple(moment.format for moment in entry.moments)
+    return rule.cpu_functor is not None and cpu_kernel.supports(formats, entry.moments[0].block_size,
+                                                                entry.param, entry.grad)
 
 
 class _ConstantsPerStep:

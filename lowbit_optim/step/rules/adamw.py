@@ -20,6 +20,7 @@ class AdamWRule(UpdateRule):
     moments = (MomentSpec("exp_avg", signed=True), MomentSpec("exp_avg_sq", signed=False),
                MomentSpec("max_exp_avg_sq", signed=False, amsgrad_only=True))
     scalar_names = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    cpu_functor = "adamw"  # step/csrc/rules/adamw.h
 
     def check_hyperparameters(self, group: dict) -> None:
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])

@@ -84,6 +84,7 @@ class AdEMAMixRule(UpdateRule):
     moments = (MomentSpec("exp_avg", signed=True), MomentSpec("exp_avg_slow", signed=True),
                MomentSpec("exp_avg_sq", signed=False))
     scalar_names = ("lr", "beta1", "beta2", "beta3", "alpha", "eps", "weight_decay", "t_alpha", "t_beta3")
+    cpu_functor = "ademamix"  # step/csrc/rules/ademamix.h
 
     def check_hyperparameters(self, group: dict) -> None:
         check_learning_rate(group["lr"])

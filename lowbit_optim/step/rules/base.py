@@ -13,7 +13,9 @@
 Everything else is generic over the rule (``rule_step``: the shared policies, quantized and
 float moments, master weights, chunking; the optimizer base, checkpoints, FSDP2, offload,
 the HF integration, ``state_bytes``). A rule with kernels of its own (AdamW: Triton, C++)
-overrides ``plan``.
+overrides ``plan``. A rule whose element-wise math also exists as a functor of the C++ CPU
+kernel names it in ``cpu_functor`` (``step/csrc/rules/<name>.h``, ``cpu_kernel.RULE_FUNCTORS``):
+``backend="cpu"`` then steps its quantized parameters there.
 """
 
 from typing import NamedTuple
@@ -39,6 +41,9 @@ class UpdateRule:
     name: str
     moments: tuple[MomentSpec, ...]
     scalar_names: tuple[str, ...]
+    # The C++ CPU kernel's functor of this rule (a key of ``cpu_kernel.RULE_FUNCTORS``; it reads
+    # ``step_constants``' fields in order), or None: the compiled step serves ``backend="cpu"``.
+    cpu_functor: str | None = None
 
     def moment_keys(self, group: dict) -> tuple[str, ...]:
         """The moments a parameter of ``group`` keeps, in the order ``update`` takes them."""

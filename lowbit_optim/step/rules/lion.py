@@ -30,6 +30,7 @@ class LionRule(UpdateRule):
     name = "lion"
     moments = (MomentSpec("exp_avg", signed=True),)
     scalar_names = LionConstants._fields
+    cpu_functor = "lion"  # step/csrc/rules/lion.h
 
     def check_hyperparameters(self, group: dict) -> None:
         check_learning_rate(group["lr"])
