@@ -97,6 +97,16 @@ _RULE_ROWS = (
 )
 
 
+# The rules' compiled step on purpose (on CPU their default is the C++ kernel where it builds).
+_RULE_COMPILE_ROWS = tuple(
+    OptimizerSpec(f"lowbit_{rule}_{bits}_compile", f"lowbit_optim {cls.__name__} (backend='compile')", None,
+                  adapt(functools.partial(cls, backend="compile")))
+    for rule, adapt, classes in (("lion", _as_lion, (Lion8bit, Lion4bit)),
+                                 ("ademamix", _as_ademamix, (AdEMAMix8bit, AdEMAMix4bit)))
+    for bits, cls in zip(("8bit", "4bit"), classes)
+)
+
+
 # bfloat16 parameters, four ways to write the update into them: plain rounding (what a model
 # cast to bf16 gets), stochastic rounding, and 24- and 32-bit master weights (an int8 or int16
 # correction in the optimizer state). Each is compared with the same optimizer on float32
@@ -160,6 +170,7 @@ OPTIMIZERS = {
         OptimizerSpec("torchao_fp8", "torchao AdamWFp8", "torchao", _torchao("AdamWFp8")),
         OptimizerSpec("bnb_8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb("AdamW8bit")),
         *(OptimizerSpec(*row) for row in _RULE_ROWS),
+        *_RULE_COMPILE_ROWS,
     )
 }
 # ``--optimizers rules``: Lion and AdEMAMix, ours and bitsandbytes', each with its fp32 reference.
