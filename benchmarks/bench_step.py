@@ -52,7 +52,9 @@ def measure(name: str, steps: int, warmup: int) -> dict:
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     for param in model.parameters():
         param.grad = torch.randn_like(param) * 1e-3
-    optimizer = harness.make_optimizer(name, model.parameters(), lr=1e-3, weight_decay=1e-2)
+    # betas explicit (torch's default): the Lion and AdEMAMix rows adapt them (harness._as_lion).
+    optimizer = harness.make_optimizer(name, model.parameters(), lr=1e-3, betas=(0.9, 0.999),
+                                       weight_decay=1e-2)
     first_step_s = harness.timed(optimizer.step, device)
     graphs_after_first = harness.compiled_graphs()
     for _ in range(warmup):

@@ -8,9 +8,10 @@
 // absmax first; nothing of the parameter's size is ever written besides the outputs.
 //
 // The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h: its float32
-// constants, formed once per call from the host's values, and `update` on vectors: parameter,
-// gradient and decoded moments -> new parameter and moments); the block step is instantiated
-// once per rule and parameter width. What every rule shares lives here, not in the functors
+// constants, formed once per call from the host's values, its number of moments kMoments, and
+// `update` on vectors: parameter, gradient and decoded moments -> new parameter and moments);
+// the block step is instantiated once per rule (AdamW: with and without amsgrad) and parameter
+// width. What every rule shares lives here, not in the functors
 // (as lowbit_optim/step/rule_step.py::apply_rule): maximize negates the gradient, an element
 // whose gradient is NaN or +-inf keeps its parameter and moments, bfloat16/float16 rounding,
 // stochastic rounding and master weights.
@@ -156,7 +157,10 @@ inline I float16_residual(F value, bool master24, I& steps) {
 template <typename Rule, typename T>
 struct Block {
   const StepArgs& a;
-  const Rule& rule;
+  // A copy, local to the block's step: the compiler then knows no store of the block's floats
+  // can change the rule's constants, and keeps them in registers (measured on 8-bit AdamW: 4-7%
+  // faster than reading them through a reference).
+  const Rule rule;
   T* param;
   const T* grad;
   void* correction;  // the block's master weight correction, or null
@@ -168,7 +172,7 @@ struct Block {
 
   // Update the W elements starting at `offset` of the block, their codes given.
   inline void update(int64_t offset, const I codes[kMaxMoments]) {
-    const int count = rule.moment_count();
+    constexpr int count = Rule::kMoments;
     F decoded[kMaxMoments], updated[kMaxMoments];
     for (int s = 0; s < count; ++s) decoded[s] = V::mul(decode(s, codes[s]), V::set1(scale[s]));
     F p = load_weight(offset);
@@ -274,7 +278,7 @@ template <typename Rule, typename T>
 void step_block(const StepArgs& a, const Rule& rule, const BlockData<T>& data, float* buffers) {
   const int64_t size = a.block_size;
   const int64_t block = data.block;
-  const int slots = rule.moment_count();
+  constexpr int slots = Rule::kMoments;
   Block<Rule, T> b{a, rule, data.param, data.grad, data.correction, block, {}, {},
                    {buffers, buffers + kMaxBlock, buffers + 2 * kMaxBlock},
                    a.stochastic_round ? mix32(a.seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL)) : 0u};
@@ -365,7 +369,13 @@ void run_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
   switch (a.rule) {
     case kLion: run_rule<LionRule>(a, first_block, end_block); break;
     case kAdEMAMix: run_rule<AdEMAMixRule>(a, first_block, end_block); break;
-    default: run_rule<AdamWRule>(a, first_block, end_block); break;
+    default:
+      if (a.moment_count == 3) {
+        run_rule<AdamWRule<true>>(a, first_block, end_block);
+      } else {
+        run_rule<AdamWRule<false>>(a, first_block, end_block);
+      }
+      break;
   }
 }
 

@@ -19,6 +19,7 @@ namespace {
 
 struct AdEMAMixRule {
   using F = V::F;
+  static constexpr int kMoments = 3;
   // 0-d float64 values and their float64 combinations, rounded to float32 where they meet a
   // float32 tensor (as torch rounds a float64 0-d tensor there).
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, decay;
@@ -41,8 +42,6 @@ struct AdEMAMixRule {
     fast_bound = static_cast<float>(v[9]);
     slow_bound = static_cast<float>(v[10]);
   }
-
-  int moment_count() const { return 3; }
 
   // clamp(-bound, bound), NaN kept as torch's clamp keeps it: the vector max/min return their
   // second operand when either is NaN.

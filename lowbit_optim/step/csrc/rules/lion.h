@@ -16,6 +16,7 @@ namespace {
 
 struct LionRule {
   using F = V::F;
+  static constexpr int kMoments = 1;
   // 0-d float64 values and their float64 combinations, rounded to float32 where they meet a
   // float32 tensor (as torch rounds a float64 0-d tensor there).
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay;
@@ -30,8 +31,6 @@ struct LionRule {
     one_minus_beta2 = static_cast<float>(1.0 - beta2_v);
     decay = static_cast<float>(1.0 - lr_v * weight_decay);
   }
-
-  int moment_count() const { return 1; }
 
   // torch.sign: +1, -1, and +0 for either zero (no NaN reaches it: the moment is finite and
   // the gradient finite, so the interpolation is at worst an infinity).
