@@ -21,8 +21,11 @@ import torch
 from conftest import num_threads
 from helpers import assert_same_state, available_isas, spread_gradient
 
-from lowbit_optim import AdEMAMix4bit, AdEMAMix8bit, Lion4bit, Lion8bit
+from lowbit_optim import AdEMAMix4bit, AdEMAMix8bit, Lion4bit, Lion8bit, QuantizedState
+from lowbit_optim.formats.catalog import DYNAMIC_8BIT_SIGNED
 from lowbit_optim.step import cpu_kernel
+from lowbit_optim.step.rule_step import RuleEntry, RulePlan
+from lowbit_optim.step.rules.lion import LION as LION_RULE
 
 LION = (Lion8bit, Lion4bit)
 ADEMAMIX = (AdEMAMix8bit, AdEMAMix4bit)
@@ -78,18 +81,18 @@ def run(cls, backend: str, *, dtype=torch.float32, steps=STEPS, shapes=SHAPES, *
 
 
 @functools.cache
-def compiled(cls, dtype=torch.float32, **kwargs):
+def compiled(cls, **kwargs):
     """The reference run (shared by every instruction set's comparison)."""
-    params, state, optimizer = run(cls, "compile", dtype=dtype, **kwargs)
+    params, state, optimizer = run(cls, "compile", **kwargs)
     assert kernel_entries(optimizer) == 0
     return params, state
 
 
-def assert_matches_compiled(monkeypatch, cls, isa, *, dtype=torch.float32, **kwargs):
+def assert_matches_compiled(monkeypatch, cls, isa, **kwargs):
     monkeypatch.setenv(ISA_ENV, isa)
-    params, state, optimizer = run(cls, "cpu", dtype=dtype, **kwargs)
+    params, state, optimizer = run(cls, "cpu", **kwargs)
     assert kernel_entries(optimizer) == len(SHAPES)
-    expected_params, expected_state = compiled(cls, dtype, **kwargs)
+    expected_params, expected_state = compiled(cls, **kwargs)
     assert_same_state(state, expected_state)
     for param, expected in zip(params, expected_params):
         assert torch.equal(bits(param), bits(expected))
@@ -106,40 +109,37 @@ def test_matches_compiled_step(monkeypatch, cls, isa):
     assert_matches_compiled(monkeypatch, cls, isa)
 
 
-@pytest.mark.parametrize("cls", [Lion8bit, AdEMAMix4bit], ids=lambda c: c.__name__)
-def test_maximize_matches_compiled_step(monkeypatch, cls):
-    assert_matches_compiled(monkeypatch, cls, cpu_kernel.default_isa(), maximize=True)
-
-
+# Each case is one more compiled variant of the reference (a minute of compiling on a clean
+# clone for the four), so maximize rides along with two of them.
 HALF_PRECISION = {
-    "bf16-rounded": (Lion4bit, torch.bfloat16, None),
-    "bf16-master24": (AdEMAMix8bit, torch.bfloat16, 24),
-    "fp16-master32": (Lion8bit, torch.float16, 32),
-    "fp16-rounded": (AdEMAMix4bit, torch.float16, None),
+    "Lion4bit-bf16-rounded-maximize": (Lion4bit, dict(dtype=torch.bfloat16, maximize=True)),
+    "AdEMAMix8bit-bf16-master24-maximize": (AdEMAMix8bit, dict(dtype=torch.bfloat16, master_weight_bits=24,
+                                                               maximize=True)),
+    "Lion8bit-fp16-master32": (Lion8bit, dict(dtype=torch.float16, master_weight_bits=32)),
+    "AdEMAMix4bit-fp16-rounded": (AdEMAMix4bit, dict(dtype=torch.float16)),
 }
 
 
 @pytest.mark.parametrize("case", HALF_PRECISION)
-def test_half_precision_parameters_match_compiled_step(monkeypatch, case):
+def test_half_precision_parameters_and_maximize_match_compiled_step(monkeypatch, case):
     """bfloat16 and float16 parameters, rounded to nearest or with their master weight's
     correction (compared as part of the state), on the widest and the portable path."""
-    cls, dtype, master_weight_bits = HALF_PRECISION[case]
+    cls, arguments = HALF_PRECISION[case]
     for isa in {cpu_kernel.default_isa(), "scalar"}:
-        assert_matches_compiled(monkeypatch, cls, isa, dtype=dtype, master_weight_bits=master_weight_bits)
+        assert_matches_compiled(monkeypatch, cls, isa, **arguments)
 
 
 def test_bf16_stochastic_rounding_stays_within_one_ulp(monkeypatch):
     """The kernel's random bits are its own, so parameters are one of the two bfloat16
     neighbours of the update: at most one bfloat16 ulp from the nearest rounding, and not all
     of them on it. The moments do not depend on the rounding: identical to the compiled step's."""
-    rounded, rounded_state, _ = run(AdEMAMix8bit, "cpu", dtype=torch.bfloat16, steps=1)
+    bf16 = dict(dtype=torch.bfloat16, steps=1, maximize=True)  # the reference compiled above
+    rounded, rounded_state, _ = run(Lion4bit, "cpu", **bf16)
     torch.manual_seed(3)
-    stochastic, stochastic_state, _ = run(AdEMAMix8bit, "cpu", dtype=torch.bfloat16, steps=1,
-                                          bf16_stochastic_round=True)
+    stochastic, stochastic_state, _ = run(Lion4bit, "cpu", **bf16, bf16_stochastic_round=True)
     for state in (rounded_state, stochastic_state):
-        for saved_id, entry in compiled(AdEMAMix8bit, torch.bfloat16, steps=1)[1]["state"].items():
-            for key in ("exp_avg", "exp_avg_slow", "exp_avg_sq"):
-                assert torch.equal(state["state"][saved_id][key].codes, entry[key].codes), key
+        for saved_id, entry in compiled(Lion4bit, **bf16)[1]["state"].items():
+            assert torch.equal(state["state"][saved_id]["exp_avg"].codes, entry["exp_avg"].codes)
     moved = 0
     for param, nearest in zip(stochastic, rounded):
         distance = (param.view(torch.int16).int() - nearest.view(torch.int16).int()).abs()
@@ -167,13 +167,15 @@ def test_bit_identical_at_1_and_3_threads(cls):
 
 def test_float64_parameters_take_the_compiled_step():
     """The reference updates float64 parameters in float64; the kernel computes in float32,
-    so it turns them down and the compiled step serves them, with the same result."""
-    float64 = dict(dtype=torch.float64, steps=2, shapes=[(777,)])
-    params, state, optimizer = run(Lion8bit, "cpu", **float64)
-    assert kernel_entries(optimizer) == 0
-    expected_params, expected_state, _ = run(Lion8bit, "compile", **float64)
-    assert torch.equal(bits(params[0]), bits(expected_params[0]))
-    assert_same_state(state, expected_state)
+    so the plan leaves them to the compiled step (whose own tests cover it)."""
+    plans = {}
+    for dtype in (torch.float64, torch.float32):
+        param = torch.zeros(777, dtype=dtype)
+        exp_avg = QuantizedState.zeros(param.shape, DYNAMIC_8BIT_SIGNED, 256, dtype=dtype)
+        entry = RuleEntry(param, torch.ones_like(param), (exp_avg,), torch.tensor(1.0))
+        plans[dtype] = RulePlan(LION_RULE, [entry], "cpu")
+    assert not plans[torch.float64].cpu_kernel and len(plans[torch.float64].quantized) == 1
+    assert len(plans[torch.float32].cpu_kernel) == 1 and not plans[torch.float32].quantized
 
 
 @pytest.mark.parametrize("cls", [Lion4bit, AdEMAMix8bit], ids=lambda c: c.__name__)
