@@ -202,3 +202,23 @@ def test_checkpoints_move_between_kernel_and_compiled_step(cls):
         params, state = train(order)
         assert all(torch.equal(bits(p), bits(e)) for p, e in zip(params, reference)), order
         assert_same_state(state, reference_state)
+
+
+def test_every_kernel_source_is_hashed_and_packaged():
+    """The build's hash covers every file under ``csrc/`` (an edited rule header rebuilds the
+    library), and the wheel's package data carries them all (the build happens on the user's
+    machine, from the installed files)."""
+    import fnmatch
+    import pathlib
+
+    import tomllib
+
+    root = pathlib.Path(cpu_kernel.__file__).resolve().parents[2]
+    files = {path.relative_to(cpu_kernel.SOURCE_DIR).as_posix() for path in cpu_kernel.SOURCE_DIR.rglob("*")
+             if path.is_file()}
+    assert files == set(cpu_kernel.SOURCES) | set(cpu_kernel.HEADERS)
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for name in files:
+        packaged = f"step/csrc/{name}"
+        assert any(fnmatch.fnmatch(packaged, pattern) and pattern.count("/") == packaged.count("/")
+                   for pattern in patterns["lowbit_optim"]), packaged
