@@ -4,8 +4,8 @@ these same functions (``step.functional``); they are usable on their own, with s
 an optimizer class's ``new_state`` (docs/usage.md, "The functional API")."""
 
 from lowbit_optim.step.functional import StepCache
-from lowbit_optim.step.rules.ademamix import ademamix
 from lowbit_optim.step.rules.adamw import adamw
+from lowbit_optim.step.rules.ademamix import ademamix
 from lowbit_optim.step.rules.lion import lion
 
 __all__ = ["StepCache", "adamw", "ademamix", "lion"]

@@ -270,25 +270,29 @@ class LowBitOptimizer(Optimizer):
     )
     def _step(self) -> None:
         self._refuse_graph_capture()
-        # Every group's gradients and hyperparameters are checked before anything changes.
+        # Every group's gradients and hyperparameters are checked before anything changes:
+        # through its kept plan's comparisons while that holds, else one by one.
         stepped = []
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params, grads = with_gradients(group["params"])
-            self._check_grads(params, grads)
+            states = [*map(self.state.get, params)]
+            if not self._cache(index).holds(self.rule, params, grads, states, self.backend):
+                self._check_grads(params, grads)
             self.rule.check_hyperparameters(group)
-            stepped.append((params, grads))
-        for index, (params, grads) in enumerate(stepped):
-            self._step_params(index, params, grads)
+            stepped.append((params, grads, states))
+        for index, (params, grads, states) in enumerate(stepped):
+            self._step_params(index, params, grads, states)
 
     def _step_params(self, index: int, params: list[torch.Tensor], grads: list[torch.Tensor],
-                     cache: StepCache | None = None) -> None:
+                     states: list | None = None, cache: StepCache | None = None) -> None:
         """Step ``params`` of param group ``index`` with ``grads`` (checked), creating the
-        states they lack, through the rule's functional entry point: the one call every way of
-        stepping (``step``, gradient release) makes. ``cache``: where the planned step of these
+        states they lack (``states``: theirs, ``None`` where missing, if already looked up),
+        through the rule's functional entry point: the one call every way of stepping
+        (``step``, gradient release) makes. ``cache``: where the planned step of these
         ``params`` is kept (default: the group's, for all its parameters that have a gradient)."""
         group = self.param_groups[index]
-        states = [*map(self.state.__getitem__, params)]
-        if not all(states):
+        if states is None or not all(states):
+            states = [*map(self.state.__getitem__, params)]
             for param, state in zip(params, states):
                 if not state:
                     self._init_state(param, group, state)

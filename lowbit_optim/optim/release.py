@@ -40,6 +40,7 @@ it. See docs/gradient_release.md.
 """
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,13 @@ from lowbit_optim.step import float_state
 from lowbit_optim.step.functional import StepCache
 
 
+class Position(NamedTuple):
+    """Where a parameter is: its param group and its index in the group's list."""
+
+    group: int
+    index: int
+
+
 class ParameterSteps:
     """Steps the parameters of a ``LowBitOptimizer`` one at a time, each with its own cached
     plan, or a group's small float-state parameters together (``step_together``)."""
@@ -58,7 +66,7 @@ class ParameterSteps:
         self.optimizer = optimizer
         self.caches: dict[torch.Tensor, StepCache] = {}  # one parameter's planned step
         self.together_caches: dict[int, StepCache] = {}  # per group index
-        self.positions: dict[torch.Tensor, tuple[int, int]] = {}  # (group, index in it)
+        self.positions: dict[torch.Tensor, Position] = {}
         self.small: dict[torch.Tensor, bool] = {}  # is_small, worked out once
         self.created_state = False  # since the last ``order_state``
 
@@ -71,9 +79,9 @@ class ParameterSteps:
         for group in self.optimizer.param_groups:
             self.optimizer.rule.check_hyperparameters(group)
 
-    def position(self, param: torch.Tensor) -> tuple[int, int]:
+    def position(self, param: torch.Tensor) -> Position:
         if param not in self.positions:  # first use, or a group added since
-            self.positions = {p: (group_index, index)
+            self.positions = {p: Position(group_index, index)
                               for group_index, group in enumerate(self.optimizer.param_groups)
                               for index, p in enumerate(group["params"])}
         if param not in self.positions:
@@ -87,7 +95,7 @@ class ParameterSteps:
         kernels for any number of them, where one by one each costs ~40 operations."""
         small = self.small.get(param)
         if small is None:
-            group = self.optimizer.param_groups[self.position(param)[0]]
+            group = self.optimizer.param_groups[self.position(param).group]
             small = self.small[param] = (param.numel() < float_state.FLAT_FLOAT_STATE_BELOW
                                          and not self.optimizer.is_quantized(param, group))
         return small
@@ -104,7 +112,7 @@ class ParameterSteps:
         together (in group order, so that the same parameters find the same plan)."""
         by_group: dict[int, list] = {}
         for param in sorted(params, key=self.position):
-            by_group.setdefault(self.position(param)[0], []).append(param)
+            by_group.setdefault(self.position(param).group, []).append(param)
         for group_index, members in by_group.items():
             cache = self.together_caches.get(group_index)
             if cache is None:
@@ -120,7 +128,7 @@ class ParameterSteps:
         optimizer._check_grads(params, grads)
         state = optimizer.state
         self.created_state |= not all(map(state.__contains__, params))
-        optimizer._step_params(self.position(params[0])[0], params, grads, cache)
+        optimizer._step_params(self.position(params[0]).group, params, grads, cache=cache)
 
     def order_state(self) -> None:
         """Put ``optimizer.state`` in parameter order, as ordinary stepping creates it:

@@ -39,6 +39,19 @@ class StepCache:
         self.scalars: GroupScalars | None = None
         self.requested_backend = None
         self.scratch = TailScratch() if scratch is None else scratch
+        # The gradient list ``holds`` last accepted: a caller that checked first (an optimizer,
+        # all its groups before stepping any) spares the step the same comparisons.
+        self.checked_grads: list | None = None
+
+    def holds(self, rule, params: list[torch.Tensor], grads: list[torch.Tensor], states: list,
+              backend: str | None) -> bool:
+        """Whether the kept plan steps ``params`` with ``grads`` and ``states`` as they are now
+        (``GroupPlan.matches``: every gradient fits, nothing the plan depends on changed)."""
+        plan = self.plan
+        held = (plan is not None and plan.rule is rule and self.requested_backend == backend
+                and plan.matches(params, grads, states, plan.backend) and plan.steps_unchanged())
+        self.checked_grads = grads if held else None
+        return held
 
 
 def with_gradients(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -89,11 +102,11 @@ def step_params(rule, params: list[torch.Tensor], grads: list[torch.Tensor], sta
         cache.scalars = GroupScalars(rule)
     cache.scalars.refresh(hyperparameters)  # raises for a bad value before anything changes
     plan = cache.plan
-    if (plan is None or plan.rule is not rule or cache.requested_backend != backend
-            or not plan.matches(params, grads, states, plan.backend) or not plan.steps_unchanged()):
+    if grads is not cache.checked_grads and not cache.holds(rule, params, grads, states, backend):
         check_gradients(params, grads, rule.name)
         cache.requested_backend = backend
         resolved = resolve_backend(backend, [param.device for param in params])
         plan = cache.plan = GroupPlan(params, grads, states, resolved, rule,
                                       rule.moment_keys(hyperparameters))
+    cache.checked_grads = None
     plan.step(grads, cache.scalars, options, cache.scratch)
