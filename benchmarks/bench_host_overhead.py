@@ -116,7 +116,7 @@ def host_us_per_param(name: str, count: int, steps: int, *, gradients: str) -> d
     try:
         optimizer.step()  # state creation, the group's plan, first layout
         seconds, foreach_seconds, held = [], [], []
-        plans = optimizer._plans[0]
+        plans = optimizer._caches[0].plan
         # Read only by the stubbed launch: the small parameters' are read for real.
         unread = [gradients == "not_written" and isinstance(optimizer.state[param]["exp_avg"], QuantizedState)
                   for param in params]
@@ -134,7 +134,7 @@ def host_us_per_param(name: str, count: int, steps: int, *, gradients: str) -> d
             optimizer.step()
             seconds.append(time.perf_counter() - start)
             foreach_seconds.append(foreach_copy.seconds)
-        replanned = optimizer._plans[0] is not plans
+        replanned = optimizer._caches[0].plan is not plans
     finally:
         adamw_lowbit._adamw_lowbit_kernel = real_kernel
         layouts._to_device = real_to_device

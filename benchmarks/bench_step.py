@@ -1,14 +1,16 @@
 """Optimizer step time: steady-state ms/step and first-step (compile) time, side by side.
 
-Workload (issue 3): 10 x ``Linear(1024, 1024, bias=False)`` in fp32 (10.49M parameters) with
-fixed random gradients, 2 threads. Each optimizer runs in a fresh process so that its first
-step is what a user sees: nothing compiled in memory and, with ``--cache cold`` (default), an
-empty Inductor cache too. Prints a markdown table and writes JSON rows with versions and
-hardware.
+Workloads (``--model``), fp32 with fixed random gradients: ``linear10`` (default), 10 x
+``Linear(1024, 1024, bias=False)`` (10.49M parameters); ``square4096``, one 4096 x 4096
+parameter (16.8M); ``shapes12``, the 12 distinct shapes of ``bench_shapes.py`` (5.3M). Each
+optimizer runs in a fresh process so that its first step is what a user sees: nothing compiled
+in memory and, with ``--cache cold`` (default), an empty Inductor cache too. Prints a markdown
+table and writes JSON rows with versions and hardware.
 
     python benchmarks/bench_step.py                       # ours + torch, + peers installed
     python benchmarks/bench_step.py --optimizers lowbit_4bit torch_adamw --cache warm
     python benchmarks/bench_step.py --threads 1 --out bench_out/bench_step_1t.json
+    python benchmarks/bench_step.py --model square4096 --optimizers torch_adamw lowbit_4bit
     LOWBIT_OPTIM_CPU_ISA=avx2 python benchmarks/bench_step.py --optimizers torch_adamw lowbit_4bit
 
 ``lowbit_8bit``/``lowbit_4bit``/``lowbit_fp8`` use the default backend (on CPU the C++ kernel,
@@ -42,19 +44,22 @@ from lowbit_optim.step import cpu_kernel  # noqa: E402
 DEFAULT_OPTIMIZERS = ("torch_adamw", "torch_adamw_foreach", "lowbit_8bit", "lowbit_4bit", "lowbit_fp8",
                       "lowbit_4bit_factored", "lowbit_8bit_compile", "lowbit_4bit_compile",
                       "lowbit_fp8_compile", *harness.PEERS)
-LAYERS, WIDTH = 10, 1024
+MODELS = {
+    "linear10": ("10 x Linear(1024, 1024, bias=False) fp32", [(1024, 1024)] * 10),
+    "square4096": ("one 4096 x 4096 parameter, fp32", [(4096, 4096)]),
+    "shapes12": ("the 12 shapes of bench_shapes.py, fp32", [(256 + 64 * i, 512 + 32 * i) for i in range(12)]),
+}
 
 
-def measure(name: str, steps: int, warmup: int) -> dict:
+def measure(name: str, steps: int, warmup: int, model: str) -> dict:
     """Runs in the worker process: one optimizer, timed."""
     device = torch.device("cpu")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-    for param in model.parameters():
+    params = [torch.nn.Parameter(torch.randn(shape) / shape[-1] ** 0.5) for shape in MODELS[model][1]]
+    for param in params:
         param.grad = torch.randn_like(param) * 1e-3
     # betas explicit (torch's default): the Lion and AdEMAMix rows adapt them (harness._as_lion).
-    optimizer = harness.make_optimizer(name, model.parameters(), lr=1e-3, betas=(0.9, 0.999),
-                                       weight_decay=1e-2)
+    optimizer = harness.make_optimizer(name, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2)
     first_step_s = harness.timed(optimizer.step, device)
     graphs_after_first = harness.compiled_graphs()
     for _ in range(warmup):
@@ -64,7 +69,7 @@ def measure(name: str, steps: int, warmup: int) -> dict:
         cpu_start = time.process_time()
         seconds.append(harness.timed(optimizer.step, device))
         cpu_seconds.append(time.process_time() - cpu_start)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for p in params)
     return {
         "optimizer": name,
         "backend": getattr(optimizer, "backend", None),
@@ -82,7 +87,7 @@ def measure(name: str, steps: int, warmup: int) -> dict:
 
 
 def run_isolated(name: str, args) -> dict:
-    worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model]
     return harness.run_worker(__file__, worker_args, cold_cache=args.cache == "cold")
 
 
@@ -109,11 +114,13 @@ def main(argv=None) -> int:
                         help="cold: an empty Inductor cache per optimizer; warm: the usual one")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the workers "
                         "(default: as set, else torch's default)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="linear10",
+                        help="the parameters stepped (module docstring; default linear10)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out/bench_step.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker, args.steps, args.warmup)))
+        print(json.dumps(measure(args.worker, args.steps, args.warmup, args.model)))
         return 0
 
     if args.threads:
@@ -131,7 +138,7 @@ def main(argv=None) -> int:
         row["cpu_vs_fused"] = row["cpu_ms"] / fused["cpu_ms"] if fused else None
     env = harness.environment(torch.device("cpu"))
     env["torch_threads"] = rows[0]["threads"]  # the workers' (OMP_NUM_THREADS), not this process's
-    config = {"model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False) fp32", "steps": args.steps,
+    config = {"model": MODELS[args.model][0], "steps": args.steps,
               "warmup": args.warmup, "cache": args.cache, "threads": rows[0]["threads"],
               "cpu_kernel_isa": cpu_kernel.default_isa()}
     harness.report(args.out, "step", rows, COLUMNS, env=env, config=config,

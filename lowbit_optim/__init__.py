@@ -1,5 +1,6 @@
 """Memory-efficient optimizers (AdamW, Adam, Lion, AdEMAMix) with 8-bit and 4-bit state."""
 
+from lowbit_optim import functional
 from lowbit_optim.checkpoint.master_weights import load_master_weights, master_weights_state_dict
 from lowbit_optim.formats.catalog import FORMATS, QuantFormat
 from lowbit_optim.offload import CPUOffloadOptimizer
@@ -41,6 +42,7 @@ __all__ = [
     "AdEMAMix8bit",
     "CPUOffloadOptimizer",
     "FactoredState",
+    "functional",
     "FORMATS",
     "GradientRelease",
     "Lion4bit",

@@ -281,5 +281,5 @@ def test_float64_parameters_take_the_compiled_step(kernel):
     param.grad = torch.randn_like(param)
     optimizer = AdamW8bit([param], backend="cpu")
     optimizer.step()
-    (plan,) = optimizer._plans
+    plan = optimizer._caches[0].plan
     assert plan.rule_plan.cpu_kernel == [] and len(plan.rule_plan.quantized) == 1

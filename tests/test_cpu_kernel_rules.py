@@ -63,7 +63,7 @@ def gradient(shape, dtype, generator) -> torch.Tensor:
 
 def kernel_entries(optimizer) -> int:
     """How many parameters the optimizer's plans step in the C++ kernel."""
-    return sum(len(plan.rule_plan.cpu_kernel) for plan in optimizer._plans)
+    return sum(len(cache.plan.rule_plan.cpu_kernel) for cache in optimizer._caches)
 
 
 def run(cls, backend: str, *, dtype=torch.float32, steps=STEPS, shapes=SHAPES, **kwargs):

@@ -105,7 +105,7 @@ class Recorder(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         groups = inner(optimizer).param_groups
         self.lrs.append([group["lr"] for group in groups])
-        self.lr_ids.append([id(scalars.lr) for scalars in inner(optimizer)._group_scalars])
+        self.lr_ids.append([id(cache.scalars.lr) for cache in inner(optimizer)._caches])
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         self.clipped_norms.append(float(torch.linalg.vector_norm(torch.stack(
             [torch.linalg.vector_norm(g) for g in grads]))))

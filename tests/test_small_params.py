@@ -68,7 +68,7 @@ def test_small_parameters_stepped_together_equal_the_reference_one_by_one(cls, a
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         optimizer.step()
-        scalars = optimizer._group_scalars[0]
+        scalars = optimizer._caches[0].scalars
         for index, (grad, (value, exp_avg, exp_avg_sq, max_sq)) in enumerate(zip(grads, expected)):
             expected[index] = adamw_update(
                 value, grad, exp_avg, exp_avg_sq, max_sq if amsgrad else None,

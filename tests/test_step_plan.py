@@ -58,7 +58,7 @@ class Pair:
                 if param.grad is None or new_grads:
                     param.grad = grad.clone()
             if name == "fresh":
-                self.optimizers[name]._plans.clear()
+                self.optimizers[name]._caches.clear()
             self.optimizers[name].step()
         self.assert_equal()
 

@@ -261,7 +261,8 @@ def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class
     options["dtype"] = dtype
     kernel_24, optimizer, params = train(optimizer_class, "triton", master_weight_bits=24, **options)
     # Every quantized parameter through the kernel (the bias keeps float state).
-    (plan,) = optimizer._plans
+    (cache,) = optimizer._caches
+    plan = cache.plan
     assert plan.rule_plan.quantized == [] and len(plan.rule_plan.triton_indices) == 3
     compiled_24, _, _ = train(optimizer_class, "compile", master_weight_bits=24, **options)
     assert change_rmse(kernel_24, compiled_24, start) < CHANGE_RMSE_BOUND
@@ -361,7 +362,7 @@ def test_gradient_release_with_master_weights_matches_ordinary_stepping():
             optimizer.zero_grad()
         runs.append((list(model.parameters()), optimizer))
     (params, ordinary), (released_params, released) = runs
-    assert ordinary._plans[0].rule_plan.triton_indices == [0, 2]  # both weights through the kernel
+    assert ordinary._caches[0].plan.rule_plan.triton_indices == [0, 2]  # both weights through the kernel
     for param, other in zip(params, released_params):
         assert same_bits(param.detach(), other.detach())
         assert torch.equal(ordinary.state[param][CORRECTION_KEY], released.state[other][CORRECTION_KEY])

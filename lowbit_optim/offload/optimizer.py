@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
+from lowbit_optim.offload import numbering
 from lowbit_optim.offload.gradient import HostGradient
 from lowbit_optim.offload.release import OffloadedSteps
 from lowbit_optim.offload.transfers import Transfers
@@ -356,34 +357,14 @@ class CPUOffloadOptimizer(Optimizer):
             item.param_version = item.device_param._version
         return loss
 
-    # --- checkpoints --------------------------------------------------------------------
-    def _host_index_to_given(self) -> list[int]:
-        """Host optimizer's parameter number -> the number torch gives the parameter as
-        given here (frozen parameters count, as in an optimizer without offload)."""
-        mapping, given_index = [], 0
-        for given in self._given_groups:
-            for param in given:
-                if param in self._offloaded:
-                    mapping.append(given_index)
-                given_index += 1
-        return mapping
-
+    # --- checkpoints: the host optimizer's, numbered as the parameters given here ----------
     def state_dict(self) -> dict:
         """The host optimizer's state dict, numbered as the parameters given here: the same
         dict the optimizer without offload saves (same keys, same formats)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        host = self.host_optimizer.state_dict()
-        mapping = self._host_index_to_given()
-        groups, given_index = [], 0
-        for saved, given, names in zip(host["param_groups"], self._given_groups, self._given_names,
-                                       strict=True):
-            groups.append({**saved, "params": list(range(given_index, given_index + len(given)))})
-            if names is not None:
-                groups[-1]["param_names"] = list(names)
-            given_index += len(given)
-        state = {mapping[index]: value for index, value in host["state"].items()}
-        state_dict = {"state": state, "param_groups": groups}
+        state_dict = numbering.as_given(self.host_optimizer.state_dict(), self._given_groups,
+                                        self._given_names, self._offloaded)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             state_dict = post_hook(self, state_dict) or state_dict
         return state_dict
@@ -394,26 +375,7 @@ class CPUOffloadOptimizer(Optimizer):
         this optimizer never steps them."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self._given_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        saved_to_host, host_groups, host_index = {}, [], 0
-        for saved, given in zip(groups, self._given_groups):
-            if len(saved["params"]) != len(given):
-                raise ValueError("loaded state dict contains a parameter group that doesn't "
-                                 "match the size of optimizer's group")
-            host_ids = []
-            for saved_id, param in zip(saved["params"], given):
-                if param in self._offloaded:
-                    saved_to_host[saved_id] = host_index
-                    host_ids.append(host_index)
-                    host_index += 1
-            host_groups.append({**saved, "params": host_ids})
-            if "param_names" in saved:
-                host_groups[-1]["param_names"] = [
-                    name for name, param in zip(saved["param_names"], given) if param in self._offloaded]
-        state = {saved_to_host[saved_id]: value for saved_id, value in state_dict["state"].items()
-                 if saved_id in saved_to_host}
-        self.host_optimizer.load_state_dict({"state": state, "param_groups": host_groups})
+        host = numbering.as_host(state_dict, self._given_groups, self._offloaded)
+        self.host_optimizer.load_state_dict(host)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

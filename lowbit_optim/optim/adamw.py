@@ -49,13 +49,14 @@ class LowBitAdamW(LowBitOptimizer):
                                   master_weight_bits=master_weight_bits)
         super().__init__(params, defaults, backend=backend)
 
-    @property
-    def signed_format(self) -> QuantFormat:
-        return self.exp_avg_format
-
-    @property
-    def unsigned_format(self) -> QuantFormat:
-        return self.exp_avg_sq_format
+    def __init_subclass__(cls, **kwargs):
+        # The rule's signed moment is exp_avg and its unsigned ones the squares: a class that
+        # names the two formats names them for the generic base, as class attributes.
+        super().__init_subclass__(**kwargs)
+        if "exp_avg_format" in cls.__dict__:
+            cls.signed_format = cls.exp_avg_format
+        if "exp_avg_sq_format" in cls.__dict__:
+            cls.unsigned_format = cls.exp_avg_sq_format
 
     def _fill_group_options(self, group: dict) -> None:
         super()._fill_group_options(group)
@@ -136,8 +137,9 @@ class AdamWFactored4bit(LowBitAdamW):
     exp_avg_format = AdamW4bit.exp_avg_format
     exp_avg_sq_format = AdamW4bit.exp_avg_sq_format
 
-    def is_factored(self, param, group, key):
-        if key != "exp_avg_sq" or param.dim() < 2 or not self.is_quantized(param, group):
+    @classmethod
+    def is_factored(cls, param, group, key):
+        if key != "exp_avg_sq" or param.dim() < 2 or not cls.is_quantized(param, group):
             return False
         rows, columns = factor_shape(param.shape)
         # The factors cost 4 * (rows + columns) bytes; worth it only below the 4-bit map's

@@ -21,7 +21,7 @@ from lowbit_optim.formats.catalog import QuantFormat, check_block_size
 from lowbit_optim.state import sharding
 from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
-from lowbit_optim.step.hyperparams import GroupScalars, StepOptions
+from lowbit_optim.step.functional import StepCache, check_gradients, with_gradients
 from lowbit_optim.step.master_weights import (
     CORRECTION_KEY,
     check_master_weight_options,
@@ -29,7 +29,6 @@ from lowbit_optim.step.master_weights import (
     zeros_correction,
 )
 from lowbit_optim.step.math import compute_dtype
-from lowbit_optim.step.plan import GroupPlan
 from lowbit_optim.step.rules.base import UpdateRule
 
 
@@ -72,9 +71,8 @@ class LowBitOptimizer(Optimizer):
 
     def _init_step_helpers(self) -> None:
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
-        self._group_scalars: list[GroupScalars] = []
         self._tail_scratch = TailScratch()
-        self._plans: list[GroupPlan | None] = []  # per param group (step.plan)
+        self._caches: list[StepCache] = []  # per param group: its planned step (step.functional)
 
     def _devices(self) -> list[torch.device]:
         return [p.device for group in self.param_groups for p in group["params"]]
@@ -175,35 +173,54 @@ class LowBitOptimizer(Optimizer):
         check_master_weight_options(group["master_weight_bits"], group["bf16_stochastic_round"])
 
     # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
-    def moment_keys(self, group: dict) -> tuple[str, ...]:
+    @classmethod
+    def moment_keys(cls, group: dict) -> tuple[str, ...]:
         """The moments a parameter of ``group`` has, in the rule's order (AdamW's
         ``max_exp_avg_sq`` only with amsgrad)."""
-        return self.rule.moment_keys(group)
+        return cls.rule.moment_keys(group)
 
-    def moment_format(self, key: str) -> QuantFormat:
+    @classmethod
+    def moment_format(cls, key: str) -> QuantFormat:
         """The format of quantized moment ``key``: the signed or the unsigned one, as the rule
         declares the moment."""
-        return self.signed_format if self.rule.moment(key).signed else self.unsigned_format
+        return cls.signed_format if cls.rule.moment(key).signed else cls.unsigned_format
 
-    def is_quantized(self, param: torch.Tensor, group: dict) -> bool:
+    @staticmethod
+    def is_quantized(param: torch.Tensor, group: dict) -> bool:
         """Whether ``param``'s moments are quantized (else float32, float64 for float64).
 
         ``numel()`` of an FSDP2 (DTensor) parameter is its global size: the decision never
         depends on how it is sharded (see lowbit_optim.state.sharding)."""
         return param.numel() > 0 and param.numel() >= group["min_quant_size"]
 
-    def is_factored(self, param: torch.Tensor, group: dict, key: str) -> bool:
+    @classmethod
+    def is_factored(cls, param: torch.Tensor, group: dict, key: str) -> bool:
         """Whether moment ``key`` of ``param`` is a ``FactoredState`` (row and column
         statistics, ``AdamWFactored4bit``) rather than blockwise codes or float values."""
         return False
 
-    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+    @classmethod
+    def new_state(cls, param: torch.Tensor, *, amsgrad: bool = False, block_size: int | None = None,
+                  min_quant_size: int = 4096, master_weight_bits: int | None = None) -> dict:
+        """A new state for ``param`` as this class keeps it (its formats, the options as the
+        class takes them), for stepping without an optimizer through the rule's functional
+        entry point (``lowbit_optim.functional``)."""
+        group = dict(amsgrad=amsgrad, min_quant_size=min_quant_size, master_weight_bits=master_weight_bits,
+                     block_size=cls.signed_format.default_block_size if block_size is None else block_size)
+        check_block_size(group["block_size"])
+        check_master_weight_options(master_weight_bits, False)
+        state: dict = {}
+        cls._init_state(param, group, state)
+        return state
+
+    @classmethod
+    def _init_state(cls, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for key in self.moment_keys(group):
-            if self.is_factored(param, group, key):
+        for key in cls.moment_keys(group):
+            if cls.is_factored(param, group, key):
                 state[key] = sharding.zeros_factored_state(param)
-            elif self.is_quantized(param, group):
-                state[key] = sharding.zeros_state(param, self.moment_format(key), group["block_size"])
+            elif cls.is_quantized(param, group):
+                state[key] = sharding.zeros_state(param, cls.moment_format(key), group["block_size"])
             else:
                 state[key] = torch.zeros_like(param, dtype=compute_dtype(param),
                                               memory_format=torch.preserve_format)
@@ -211,31 +228,9 @@ class LowBitOptimizer(Optimizer):
             state[CORRECTION_KEY] = zeros_correction(param, group["master_weight_bits"])
 
     # --- the step -----------------------------------------------------------------------
-    def _check_grads(self, group: dict) -> None:
-        """Refuse a bad gradient of ``group`` (called before any parameter or state is touched)."""
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"{type(self).__name__} does not support sparse gradients "
-                    f"(parameter of shape {tuple(param.shape)})"
-                )
-            if grad.shape != param.shape:
-                raise RuntimeError(
-                    f"gradient of shape {tuple(grad.shape)} does not match its parameter "
-                    f"of shape {tuple(param.shape)}"
-                )
-            if grad.dtype != param.dtype:
-                # torch refuses such an assignment (p.grad = g) with "the gradient must
-                # match the tensor's grad_dtype" and its AdamW fails on one set through
-                # .data; refused here before anything changes, in the same words.
-                raise RuntimeError(
-                    f"{type(self).__name__}: a gradient with dtype {grad.dtype} for a "
-                    f"parameter of dtype {param.dtype} (shape {tuple(param.shape)}): the "
-                    "gradient must match its parameter's dtype"
-                )
+    def _check_grads(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Refuse a bad gradient (called before any parameter or state is touched)."""
+        check_gradients(params, grads, type(self).__name__)
 
     def _refuse_graph_capture(self) -> None:
         """A CUDA graph would replay this step with the LR, bias corrections and rounding
@@ -248,11 +243,6 @@ class LowBitOptimizer(Optimizer):
                 "would repeat the captured values. Run it outside the captured region (with "
                 "torch.compile(mode='reduce-overhead') it already is: the step is a graph break)"
             )
-
-    def _scalars(self, index: int) -> GroupScalars:
-        while len(self._group_scalars) <= index:
-            self._group_scalars.append(GroupScalars(self.rule))
-        return self._group_scalars[index]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -280,50 +270,41 @@ class LowBitOptimizer(Optimizer):
     )
     def _step(self) -> None:
         self._refuse_graph_capture()
-        while len(self._plans) < len(self.param_groups):
-            self._plans.append(None)
-        # Every group's gradients are checked before anything changes: through its plan's
-        # comparisons when it has one that still holds, else one by one (step.plan).
-        gradients = []
+        # Every group's gradients and hyperparameters are checked before anything changes:
+        # through its kept plan's comparisons while that holds, else one by one.
+        stepped = []
         for index, group in enumerate(self.param_groups):
-            plan = self._plans[index]
-            grads = None if plan is None else plan.gradients(group["params"], self.state, self.backend)
-            if grads is None:
-                self._check_grads(group)
-            gradients.append(grads)
-        for index, group in enumerate(self.param_groups):
-            self._scalars(index).refresh(group)
-        for index, (group, grads) in enumerate(zip(self.param_groups, gradients)):
-            plan = self._plans[index]
-            if grads is None or not plan.steps_unchanged():
-                plan = self._plans[index] = self._init_group(group)
-                grads = plan.gradients(group["params"], self.state, self.backend)
-            self._step_group(index, plan, grads)
+            params, grads = with_gradients(group["params"])
+            states = [*map(self.state.get, params)]
+            if not self._cache(index).holds(self.rule, params, grads, states, self.backend):
+                self._check_grads(params, grads)
+            self.rule.check_hyperparameters(group)
+            stepped.append((params, grads, states))
+        for index, (params, grads, states) in enumerate(stepped):
+            self._step_params(index, params, grads, states)
 
-    def _step_group(self, index: int, plan: GroupPlan, grads: list[torch.Tensor]) -> None:
-        """Step param group ``index`` through ``plan`` with ``grads`` (its hyperparameters
-        already refreshed): the one call every way of stepping (``step``, gradient release) makes."""
+    def _step_params(self, index: int, params: list[torch.Tensor], grads: list[torch.Tensor],
+                     states: list | None = None, cache: StepCache | None = None) -> None:
+        """Step ``params`` of param group ``index`` with ``grads`` (checked), creating the
+        states they lack (``states``: theirs, ``None`` where missing, if already looked up),
+        through the rule's functional entry point: the one call every way of stepping
+        (``step``, gradient release) makes. ``cache``: where the planned step of these
+        ``params`` is kept (default: the group's, for all its parameters that have a gradient)."""
         group = self.param_groups[index]
-        options = StepOptions(
-            maximize=group["maximize"], stochastic_round=group["bf16_stochastic_round"],
-            rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,
-            decoupled_weight_decay=group.get("decoupled_weight_decay", True))
-        plan.step(grads, self._scalars(index), options, self._tail_scratch)
-
-    def _init_group(self, group: dict) -> GroupPlan:
-        """The group's parameters that have a gradient, with their state (created on first
-        use), planned for this and later steps (``step.plan``); FSDP2 DTensors as this rank's
-        local shards."""
-        for param in group["params"]:
-            if param.grad is not None:
-                state = self.state[param]
+        if states is None or not all(states):
+            states = [*map(self.state.__getitem__, params)]
+            for param, state in zip(params, states):
                 if not state:
                     self._init_state(param, group, state)
-        return self._plan(group["params"], group)
+        self.rule.step(params, grads, states, **self.rule.keywords(group), maximize=group["maximize"],
+                       stochastic_round=group["bf16_stochastic_round"],
+                       rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,
+                       backend=self.backend, cache=cache or self._cache(index))
 
-    def _plan(self, params: list[torch.Tensor], group: dict) -> GroupPlan:
-        """A plan for ``params`` of ``group`` (their states created)."""
-        return GroupPlan(params, self.state, self.backend, self.rule, group)
+    def _cache(self, index: int) -> StepCache:
+        while len(self._caches) <= index:
+            self._caches.append(StepCache(self._tail_scratch))
+        return self._caches[index]
 
 
 def _tensor_of(param):

@@ -9,17 +9,17 @@ memory by fusing the optimizer step into the backward pass"; FlashOptim does the
 What each step reads is what ordinary stepping reads, so released and ordinary training
 give the same parameters and state bit for bit (tests/test_gradient_release.py):
 
-* a parameter with quantized moments steps in its hook through a ``GroupPlan`` of its own,
-  built once and reused while it holds (``step.plan``: the same checks as a group's plan,
-  for a list of one), so a hook costs a few list comparisons and the step's kernels, and the
-  same compiled graphs serve;
+* a parameter with quantized moments steps in its hook through the rule's functional entry
+  point with a ``StepCache`` of its own, whose plan is built once and reused while it holds
+  (``step.plan``: the same checks as a group's plan, for a list of one), so a hook costs a
+  few list comparisons and the step's kernels, and the same compiled graphs serve;
 * small parameters with float moments (norms, biases) wait for the end of the backward and
   step together, one flat step per group as in ``step()``: one by one each would cost ~40
   operations, and their gradients are small;
-* the hyperparameters are the group's 0-d tensors (``hyperparams.GroupScalars``), refreshed
-  once per backward, at its first hook (a callback queued on the autograd engine marks its
-  end), so an LR scheduler's new value reaches the next backward as it reaches the next
-  ``step()``, with no recompile;
+* the hyperparameters are checked once per backward, at its first hook (a callback queued on
+  the autograd engine marks its end), and each step reads the group's current values into
+  its 0-d tensors (``hyperparams.GroupScalars``), so an LR scheduler's new value reaches the
+  next backward as it reaches the next ``step()``, with no recompile;
 * each parameter's step count advances when it is stepped, as ``step()`` advances it.
 
 While release is active:
@@ -40,6 +40,7 @@ it. See docs/gradient_release.md.
 """
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -47,7 +48,14 @@ from lowbit_optim.optim.base import LowBitOptimizer
 from lowbit_optim.optim.released_gradient import is_released, released_gradient
 from lowbit_optim.state import sharding
 from lowbit_optim.step import float_state
-from lowbit_optim.step.plan import GroupPlan
+from lowbit_optim.step.functional import StepCache
+
+
+class Position(NamedTuple):
+    """Where a parameter is: its param group and its index in the group's list."""
+
+    group: int
+    index: int
 
 
 class ParameterSteps:
@@ -56,9 +64,9 @@ class ParameterSteps:
 
     def __init__(self, optimizer: LowBitOptimizer):
         self.optimizer = optimizer
-        self.plans: dict[torch.Tensor, GroupPlan] = {}  # one parameter's
-        self.together_plans: dict[int, GroupPlan] = {}  # per group index
-        self.positions: dict[torch.Tensor, tuple[int, int]] = {}  # (group, index in it)
+        self.caches: dict[torch.Tensor, StepCache] = {}  # one parameter's planned step
+        self.together_caches: dict[int, StepCache] = {}  # per group index
+        self.positions: dict[torch.Tensor, Position] = {}
         self.small: dict[torch.Tensor, bool] = {}  # is_small, worked out once
         self.created_state = False  # since the last ``order_state``
 
@@ -66,14 +74,14 @@ class ParameterSteps:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
 
     def refresh(self) -> None:
-        """Read every group's hyperparameters into its 0-d tensors (raising for a bad one)."""
-        optimizer = self.optimizer
-        for index, group in enumerate(optimizer.param_groups):
-            optimizer._scalars(index).refresh(group)
+        """Check every group's hyperparameters (raising for a bad one) before backward steps
+        any parameter."""
+        for group in self.optimizer.param_groups:
+            self.optimizer.rule.check_hyperparameters(group)
 
-    def position(self, param: torch.Tensor) -> tuple[int, int]:
+    def position(self, param: torch.Tensor) -> Position:
         if param not in self.positions:  # first use, or a group added since
-            self.positions = {p: (group_index, index)
+            self.positions = {p: Position(group_index, index)
                               for group_index, group in enumerate(self.optimizer.param_groups)
                               for index, p in enumerate(group["params"])}
         if param not in self.positions:
@@ -87,48 +95,40 @@ class ParameterSteps:
         kernels for any number of them, where one by one each costs ~40 operations."""
         small = self.small.get(param)
         if small is None:
-            group = self.optimizer.param_groups[self.position(param)[0]]
+            group = self.optimizer.param_groups[self.position(param).group]
             small = self.small[param] = (param.numel() < float_state.FLAT_FLOAT_STATE_BELOW
                                          and not self.optimizer.is_quantized(param, group))
         return small
 
     def step(self, param: torch.Tensor) -> None:
         """``step()``'s update of ``param`` alone, with the gradient it holds now."""
-        plan = self.plans.get(param)
-        self.plans[param] = self._run([param], plan)
+        cache = self.caches.get(param)
+        if cache is None:
+            cache = self.caches[param] = StepCache(self.optimizer._tail_scratch)
+        self._run([param], cache)
 
     def step_together(self, params: list[torch.Tensor]) -> None:
         """``step()``'s update of ``params`` with the gradients they hold now, each group's
         together (in group order, so that the same parameters find the same plan)."""
         by_group: dict[int, list] = {}
         for param in sorted(params, key=self.position):
-            by_group.setdefault(self.position(param)[0], []).append(param)
+            by_group.setdefault(self.position(param).group, []).append(param)
         for group_index, members in by_group.items():
-            self.together_plans[group_index] = self._run(members, self.together_plans.get(group_index))
+            cache = self.together_caches.get(group_index)
+            if cache is None:
+                cache = self.together_caches[group_index] = StepCache(self.optimizer._tail_scratch)
+            self._run(members, cache)
 
-    def _run(self, params: list[torch.Tensor], plan: GroupPlan | None) -> GroupPlan:
-        """Step ``params`` (of one group) with ``plan`` if it still holds, else a new one;
-        returns the plan used."""
+    def _run(self, params: list[torch.Tensor], cache: StepCache) -> None:
+        """Step ``params`` (of one group, each with a gradient), their states created on
+        first use, keeping the planned step in ``cache``."""
         optimizer = self.optimizer
         optimizer._refuse_graph_capture()
-        grads = None if plan is None else plan.gradients(params, optimizer.state, optimizer.backend)
-        if grads is None or not plan.steps_unchanged():
-            plan = self._plan(params)
-            grads = plan.gradients(params, optimizer.state, optimizer.backend)
-        optimizer._step_group(self.position(params[0])[0], plan, grads)
-        return plan
-
-    def _plan(self, params: list[torch.Tensor]) -> GroupPlan:
-        """A plan for ``params`` (of one group), their gradients checked and states created."""
-        optimizer = self.optimizer
-        optimizer._check_grads({"params": params})
-        group = optimizer.param_groups[self.position(params[0])[0]]
-        for param in params:
-            state = optimizer.state[param]
-            if not state:
-                optimizer._init_state(param, group, state)
-                self.created_state = True
-        return optimizer._plan(params, group)
+        grads = [param.grad for param in params]
+        optimizer._check_grads(params, grads)
+        state = optimizer.state
+        self.created_state |= not all(map(state.__contains__, params))
+        optimizer._step_params(self.position(params[0]).group, params, grads, cache=cache)
 
     def order_state(self) -> None:
         """Put ``optimizer.state`` in parameter order, as ordinary stepping creates it:

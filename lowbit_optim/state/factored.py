@@ -22,6 +22,7 @@ an FSDP2 moment).
 """
 
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -30,14 +31,19 @@ from lowbit_optim.state.stored_tensor import SHARED_HANDLERS, StoredTensor, infe
 aten = torch.ops.aten
 
 
-def factor_shape(shape) -> tuple[int, int]:
+class FactorShape(NamedTuple):
+    rows: int
+    columns: int
+
+
+def factor_shape(shape) -> FactorShape:
     """``(rows, columns)`` of the matrix a parameter of ``shape`` (at least 2-D) is factored as."""
     shape = torch.Size(shape)
     if len(shape) < 2:
         raise ValueError(
             f"a factored second moment needs a parameter with >= 2 dims, got shape {tuple(shape)}"
         )
-    return shape[:-1].numel(), shape[-1]
+    return FactorShape(shape[:-1].numel(), shape[-1])
 
 
 def reconstruct(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,7 @@ def factored_from_float(values: torch.Tensor, dtype: torch.dtype):
     ``FactoredState`` laid out the same way: row means of this rank's rows, column means over
     every rank's (collective: every rank of the mesh calls it, as it loads the same state dict)."""
     groups = shard_groups(values)
-    rows = factor_shape(values.shape)[0]
+    rows = factor_shape(values.shape).rows
     return _like(values, lambda shard: FactoredState.zeros(
         shard.shape, device=shard.device, dtype=dtype).factor_(
         shard, all_rows=rows, sum_columns=lambda sums: sum_across_shards(sums, groups)))

@@ -207,7 +207,7 @@ class FactoredParams:
 
     def __init__(self, entries: list, params: list[torch.Tensor]):
         self.entries = entries
-        self.all_rows = [factor_shape(param.shape)[0] for param in params]
+        self.all_rows = [factor_shape(param.shape).rows for param in params]
         self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
         buckets: dict[tuple, list[int]] = {}
         for position, ((_, entry), param) in enumerate(zip(entries, params)):

@@ -81,18 +81,33 @@ class GroupScalars:
 
     def __init__(self, rule):
         self.rule = rule
+        self.last_values = None  # what the tensors hold, when it came from plain numbers
         for name in rule.scalar_names:
             setattr(self, name, torch.zeros((), dtype=HYPER_DTYPE))
 
-    def refresh(self, group: dict) -> None:
-        """Validate the group's current values (raising before anything changes) and copy them in."""
-        self.rule.check_hyperparameters(group)
-        for name, value in self.rule.scalar_values(group).items():
+    def refresh(self, hyperparameters: dict) -> None:
+        """Validate a group's current values (raising before anything changes) and copy them
+        in. Plain numbers equal to the last ones are already checked and held: skipped, which
+        spares ~10 us per call to a step that runs per parameter (gradient release). A
+        tensor value is read every time: changed in place, it compares equal to itself."""
+        values = tuple(hyperparameters.values())
+        plain = not any(map(_holds_tensor, values))
+        if plain and values == self.last_values:
+            return
+        self.rule.check_hyperparameters(hyperparameters)
+        for name, value in self.rule.scalar_values(hyperparameters).items():
             tensor = getattr(self, name)
             if isinstance(value, torch.Tensor):
                 tensor.copy_(value.detach().reshape(()))  # no host sync for a CPU tensor
             else:
                 tensor.fill_(value)
+        self.last_values = values if plain else None
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(map(_holds_tensor, value))
+    return isinstance(value, torch.Tensor)
 
 
 class StepOptions(NamedTuple):

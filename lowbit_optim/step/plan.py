@@ -7,17 +7,16 @@ depends on things that stay the same from one step to the next: which parameters
 holds, which of them have a gradient, their states, their data pointers, dtypes and shapes,
 the step counts kept equal within a kind. ``GroupPlan`` keeps what was worked out (the
 update rule's plan: ``dispatch.AdamWPlan`` for AdamW with, for the Triton backend, each
-kind's launches and layouts) together with exactly those facts, and ``gradients`` compares
+kind's launches and layouts) together with exactly those facts, and ``matches`` compares
 them with the group as it is now using C-level map/compare over lists (no Python loop per
 parameter), so a stale plan is never used:
 
-* the group's parameter list, by identity; the optimizer's ``state`` mapping, by identity
-  (``load_state_dict`` replaces it), each parameter's state dict and every value in it, by
-  identity (a replaced moment or step count); the backend;
-* which parameters have a gradient (a gradient that became ``None``, or appeared);
+* the parameters stepped (those with a gradient), by identity; each parameter's state dict
+  and every value in it, by identity (``load_state_dict``, a replaced moment or step count);
+  the backend;
 * each parameter's data pointer, dtype and shape (``param.data = ...``, ``model.half()``);
 * each gradient's dtype and shape against its parameter's and that it is dense: anything
-  else goes to ``LowBitAdamW._check_grads``, which refuses it before anything changes;
+  else goes to ``functional.check_gradients``, which refuses it before anything changes;
 * the step counts, before they are advanced, against what the plan last left them at (one
   ``torch.equal``): a count changed in place may no longer share its kind.
 
@@ -47,7 +46,6 @@ from lowbit_optim.step.rule_step import RuleEntry
 # Read with C-level getters in one pass per list: a parameter's dtype and shape as one tuple,
 # a gradient's with ``is_sparse`` (planned as False), so that a single list comparison checks
 # a gradient against its parameter's planned dtype and shape and that it is dense.
-_GRAD = attrgetter("grad")
 _PARAM_FACTS = attrgetter("dtype", "shape")
 _GRAD_FACTS = attrgetter("dtype", "shape", "is_sparse")
 # The unbound method: ~3x cheaper per call than ``methodcaller("data_ptr")`` (~0.06 against
@@ -83,23 +81,20 @@ def _state_values(state_dicts: list[dict]) -> list:
 
 
 class GroupPlan:
-    """One param group's step, planned from its parameters that have a gradient and their
-    (already created) states; see the module docstring for when it is reused. ``rule``: the
-    optimizer's update rule (``step.rules``), whose ``plan`` steps the group and whose
-    ``moment_keys(group)`` are the moments each parameter keeps."""
+    """The step of ``params`` (those of a param group that have a gradient) with their
+    (already created) ``states``, planned once; see the module docstring for when it is
+    reused. ``rule``: the update rule (``step.rules``), whose ``plan`` steps them;
+    ``moment_keys``: the moments each parameter keeps, in the rule's order."""
 
-    def __init__(self, params: list[torch.Tensor], state: dict, backend: str, rule, group: dict):
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                 backend: str, rule, moment_keys: tuple[str, ...]):
+        self.rule = rule
         self.param_ids = [*map(id, params)]
-        self.state = state
         self.backend = backend
-        grads = [*map(_GRAD, params)]
-        self.has_grad = [grad is not None for grad in grads]
-        self.with_grad = [param for param, has in zip(params, self.has_grad) if has]
-        grads = [grad for grad in grads if grad is not None]
-        self.addresses = [*map(_DATA_PTR, self.with_grad)]
-        self.param_facts = [*map(_PARAM_FACTS, self.with_grad)]
+        self.addresses = [*map(_DATA_PTR, params)]
+        self.param_facts = [*map(_PARAM_FACTS, params)]
         self.grad_facts = [(dtype, shape, False) for dtype, shape in self.param_facts]
-        self.state_dicts = [state[param] for param in self.with_grad]
+        self.state_dicts = list(states)
         # The step counts become 0-d views of one tensor, so one add advances them all: a
         # foreach add over separate 0-d CPU tensors is a loop of dispatcher calls, ~1.6 us per
         # parameter (benchmarks/bench_host_overhead.py). Their values and dtype stay as they were.
@@ -109,45 +104,34 @@ class GroupPlan:
             for state_dict, count in zip(self.state_dicts, self.step_counts):
                 state_dict["step"] = count
             self.expected_steps = self.step_counts.clone()
-        moment_keys = rule.moment_keys(group)
         _flatten_float_moments(self.state_dicts, moment_keys)
         self.state_values = _state_values(self.state_dicts)
-        self.has_dtensor = any(map(sharding.is_dtensor, self.with_grad))
+        self.has_dtensor = any(map(sharding.is_dtensor, params))
         local = sharding.local  # FSDP2: each rank steps its own shards
         entries = [
             RuleEntry(local(param), local(grad), tuple(local(s[key]) for key in moment_keys), s["step"],
                       local(s.get(CORRECTION_KEY)))
-            for param, grad, s in zip(self.with_grad, grads, self.state_dicts)
+            for param, grad, s in zip(params, grads, self.state_dicts)
         ]
-        self.rule_plan = rule.plan(entries, backend, self.with_grad)
+        self.rule_plan = rule.plan(entries, backend, params)
 
-    def gradients(self, params: list[torch.Tensor], state: dict, backend: str) -> list[torch.Tensor] | None:
-        """The gradients to step with (of the parameters that have one, in order), or ``None``
-        if anything the plan depends on has changed or a gradient does not fit its parameter
-        (the caller then checks the gradients properly and plans again)."""
-        if (state is not self.state or backend != self.backend
-                or [*map(id, params)] != self.param_ids):
-            return None
-        grads = [*map(_GRAD, params)]
-        if [grad is not None for grad in grads] != self.has_grad:
-            return None
-        if len(grads) != len(self.with_grad):
-            grads = [grad for grad in grads if grad is not None]
-        with_grad = self.with_grad
-        if ([*map(_DATA_PTR, with_grad)] != self.addresses
-                or [*map(_PARAM_FACTS, with_grad)] != self.param_facts
+    def matches(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                backend: str) -> bool:
+        """Whether this plan still steps ``params`` with ``grads`` and ``states``: nothing it
+        depends on has changed and every gradient fits its parameter as planned (else the
+        caller checks the gradients properly and plans again)."""
+        if backend != self.backend or [*map(id, params)] != self.param_ids:
+            return False
+        if ([*map(_DATA_PTR, params)] != self.addresses
+                or [*map(_PARAM_FACTS, params)] != self.param_facts
                 or [*map(_GRAD_FACTS, grads)] != self.grad_facts):
-            return None
-        if any(map(is_not, map(state.get, with_grad), self.state_dicts)):
-            return None
+            return False
+        if len(states) != len(self.state_dicts) or any(map(is_not, states, self.state_dicts)):
+            return False
         # By identity (``==`` on tensors would compare values); the length first, as ``map``
         # stops at the shorter list and a key added at the end would go unseen.
         values = _state_values(self.state_dicts)
-        if len(values) != len(self.state_values) or any(map(is_not, values, self.state_values)):
-            return None
-        if self.has_dtensor:
-            grads = [*map(sharding.local, grads)]
-        return grads
+        return len(values) == len(self.state_values) and not any(map(is_not, values, self.state_values))
 
     def steps_unchanged(self) -> bool:
         """Whether the step counts are where this plan's last step left them (one changed in
@@ -156,9 +140,11 @@ class GroupPlan:
 
     def step(self, grads: list[torch.Tensor], scalars: GroupScalars, options: StepOptions,
              scratch: TailScratch) -> None:
-        """Advance the step counts and step every parameter (the rule's plan)."""
+        """Advance the step counts and step every parameter (the rule's plan) with ``grads``."""
         if self.step_counts is None:
             return
+        if self.has_dtensor:
+            grads = [*map(sharding.local, grads)]
         self.step_counts += 1
         self.expected_steps += 1
         self.rule_plan.run(grads, scalars, options, scratch)

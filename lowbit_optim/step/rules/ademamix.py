@@ -24,8 +24,10 @@ from typing import NamedTuple
 
 import torch
 
+from lowbit_optim.step.functional import StepCache, step_params
 from lowbit_optim.step.hyperparams import (
     HYPER_DTYPE,
+    StepOptions,
     as_float,
     check_betas,
     check_learning_rate,
@@ -106,6 +108,15 @@ class AdEMAMixRule(UpdateRule):
                     eps=group["eps"], weight_decay=group["weight_decay"],
                     t_alpha=group["t_alpha"] or 0, t_beta3=group["t_beta3"] or 0)
 
+    def keywords(self, group: dict) -> dict:
+        beta1, beta2, beta3 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, beta3=beta3, alpha=group["alpha"],
+                    eps=group["eps"], weight_decay=group["weight_decay"], t_alpha=group["t_alpha"],
+                    t_beta3=group["t_beta3"])
+
+    def step(self, params, grads, states, **keywords) -> None:
+        ademamix(params, grads, states, **keywords)
+
     def step_constants(self, scalars, step: torch.Tensor) -> AdEMAMixConstants:
         step = step.to(HYPER_DTYPE)
         bias_correction1, bias_correction2_sqrt = bias_corrections(scalars.beta1, scalars.beta2, step)
@@ -132,3 +143,16 @@ class AdEMAMixRule(UpdateRule):
 
 
 ADEMAMIX = AdEMAMixRule()
+
+
+def ademamix(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], *, lr, beta1, beta2,
+             beta3, alpha, eps, weight_decay, t_alpha: int | None = None, t_beta3: int | None = None,
+             maximize: bool = False, stochastic_round: bool = False, rounding_stream: int = 0,
+             backend: str | None = None, cache: StepCache | None = None) -> None:
+    """One AdEMAMix step of ``params``, in place; ``states``: one dict per parameter (``step``,
+    ``exp_avg``, ``exp_avg_slow``, ``exp_avg_sq``). The options are ``rules.adamw.adamw``'s."""
+    step_params(ADEMAMIX, params, grads, states,
+                dict(lr=lr, betas=(beta1, beta2, beta3), alpha=alpha, eps=eps, weight_decay=weight_decay,
+                     t_alpha=t_alpha, t_beta3=t_beta3),
+                options=StepOptions(maximize, stochastic_round, rounding_stream),
+                backend=backend, cache=cache)

@@ -3,12 +3,17 @@
 * its moments (``MomentSpec``: the state key of each and whether it is signed, which picks
   the format an optimizer class stores it in), in the order its math takes them;
 * its hyperparameters: ``check_hyperparameters`` (torch.optim's wording, before anything
-  changes), ``scalar_values`` (the group's values under ``scalar_names``, copied into the
+  changes), ``keywords`` (a param group's values as its functional entry point takes them),
+  ``scalar_values`` (the group's values under ``scalar_names``, copied into the
   0-d CPU tensors of ``hyperparams.GroupScalars``, so a schedule never recompiles);
 * its math, once, in pure PyTorch: ``step_constants`` (per step count: bias corrections,
   schedules, bounds; 0-d tensors) and ``update`` (elementwise: the new parameter and
   moments from the parameter, a finite gradient and the moments). That function is the
   specification and the tests' oracle.
+
+Its public functional entry point, keyword-only in torch's shape (``rules.adamw.adamw``,
+``rules.lion.lion``, ``rules.ademamix.ademamix``), is what ``step`` calls and what every
+optimizer class steps through (``functional.step_params``).
 
 Everything else is generic over the rule (``rule_step``: the shared policies, quantized and
 float moments, master weights, chunking; the optimizer base, checkpoints, FSDP2, offload,
@@ -61,6 +66,15 @@ class UpdateRule:
         raise NotImplementedError
 
     def scalar_values(self, group: dict) -> dict:
+        raise NotImplementedError
+
+    def keywords(self, group: dict) -> dict:
+        """The (checked) hyperparameters of ``group`` as the rule's entry point takes them."""
+        raise NotImplementedError
+
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+             **keywords) -> None:
+        """The rule's functional entry point (``keywords``: its keyword-only arguments)."""
         raise NotImplementedError
 
     def step_constants(self, scalars, step: torch.Tensor):

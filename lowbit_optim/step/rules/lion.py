@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from lowbit_optim.step.hyperparams import check_betas, check_learning_rate, check_nonnegative
+from lowbit_optim.step.functional import StepCache, step_params
+from lowbit_optim.step.hyperparams import StepOptions, check_betas, check_learning_rate, check_nonnegative
 from lowbit_optim.step.rules.base import MomentSpec, UpdateRule
 
 
@@ -41,6 +42,13 @@ class LionRule(UpdateRule):
         beta1, beta2 = group["betas"]
         return dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
 
+    def keywords(self, group: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+
+    def step(self, params, grads, states, **keywords) -> None:
+        lion(params, grads, states, **keywords)
+
     def step_constants(self, scalars, step: torch.Tensor) -> LionConstants:
         return LionConstants(*(getattr(scalars, name) for name in self.scalar_names))
 
@@ -53,3 +61,14 @@ class LionRule(UpdateRule):
 
 
 LION = LionRule()
+
+
+def lion(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], *, lr, beta1, beta2,
+         weight_decay, maximize: bool = False, stochastic_round: bool = False, rounding_stream: int = 0,
+         backend: str | None = None, cache: StepCache | None = None) -> None:
+    """One Lion step of ``params``, in place; ``states``: one dict per parameter (``step``,
+    ``exp_avg``). The options are ``rules.adamw.adamw``'s."""
+    step_params(LION, params, grads, states,
+                dict(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay),
+                options=StepOptions(maximize, stochastic_round, rounding_stream),
+                backend=backend, cache=cache)
