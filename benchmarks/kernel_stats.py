@@ -8,7 +8,7 @@ Run it with the checkout you mean to measure first on ``sys.path`` (``PYTHONPATH
 repository root): ``python benchmarks/...`` puts ``benchmarks/`` there, not the checkout, so
 otherwise the installed ``lowbit_optim`` is measured.
 
-No GPU is needed: ``lowbit_optim.step.kernels.adamw_lowbit.launch`` is driven with ``meta``
+No GPU is needed: ``lowbit_optim.step.kernels.launcher.launch`` is driven with ``meta``
 tensors (which the host code treats as a GPU device: GPU tile sizes, no interpreter paths),
 its kernel launches are recorded instead of run, and each recorded launch is specialised
 exactly as Triton's JIT would specialise it (its own binder: pointer dtypes, 16-byte
@@ -52,7 +52,8 @@ except ImportError:  # pragma: no cover - the script needs Triton, the package d
 
 from lowbit_optim.bench import harness
 from lowbit_optim.formats.catalog import get_format
-from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.kernels import launcher
+from lowbit_optim.step.math import adamw_kernel_constants, adamw_kernel_update
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 KINDS = {  # state kind -> (exp_avg format, exp_avg_sq format, default block size)
@@ -82,14 +83,14 @@ class _Recorder:
 @contextlib.contextmanager
 def recorded_launches():
     launches = []
-    jitted = {name: value for name, value in vars(adamw_lowbit).items() if isinstance(value, JITFunction)}
+    jitted = {name: value for name, value in vars(launcher).items() if isinstance(value, JITFunction)}
     for name, kernel in jitted.items():
-        setattr(adamw_lowbit, name, _Recorder(kernel, launches))
+        setattr(launcher, name, _Recorder(kernel, launches))
     try:
         yield launches
     finally:
         for name, kernel in jitted.items():
-            setattr(adamw_lowbit, name, kernel)
+            setattr(launcher, name, kernel)
 
 
 def _moment(fmt, numel, block_size, aligned):
@@ -115,12 +116,13 @@ def variant_launches(kind, dtype, *, amsgrad, stochastic_round, aligned, master_
         corrections.append(torch.empty(numel + pad, dtype=correction_dtype, device="meta")[pad:])
         for moment, fmt in zip(moments, (exp_avg_format, exp_avg_sq_format, exp_avg_sq_format)):
             moment.append(_moment(fmt, numel, block_size, aligned or index))
-    scalars = adamw_lowbit.host_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0)
+    constants = adamw_kernel_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0)
+    formats = (exp_avg_format, exp_avg_sq_format, exp_avg_sq_format)[:3 if amsgrad else 2]
     with recorded_launches() as launches:
-        adamw_lowbit.launch(params, grads, moments[0], moments[1], moments[2] if amsgrad else None, scalars,
-                            exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format,
-                            block_size=block_size, maximize=False, stochastic_round=stochastic_round, seed=1,
-                            weight_corrections=corrections if master_weight_bits else None)
+        launcher.launch(params, grads, moments[:len(formats)], constants,
+                        update=launcher.KernelUpdate(adamw_kernel_update), formats=formats,
+                        block_size=block_size, maximize=False, stochastic_round=stochastic_round, seed=1,
+                        weight_corrections=corrections if master_weight_bits else None)
     return launches
 
 

@@ -39,6 +39,10 @@ import torch
 (PARAM, GRAD, EXP_AVG_CODES, EXP_AVG_SCALES, EXP_AVG_SQ_CODES, EXP_AVG_SQ_SCALES, MAX_CODES,
  MAX_SCALES, NUMEL, FIRST_PROGRAM, WEIGHT_CORRECTION) = range(11)
 LAYOUT_COLUMNS = 10
+# The update rule's moments (up to three, in its order: AdamW's exp_avg, exp_avg_sq and
+# max_exp_avg_sq) in the three (codes, scales) column pairs.
+MOMENT_CODES = (EXP_AVG_CODES, EXP_AVG_SQ_CODES, MAX_CODES)
+MOMENT_SCALES = (EXP_AVG_SCALES, EXP_AVG_SQ_SCALES, MAX_SCALES)
 # The column of each tensor list, in the lists' order (``adamw_lowbit.tensor_lists_of``).
 LIST_COLUMNS = (PARAM, GRAD, EXP_AVG_CODES, EXP_AVG_SCALES, EXP_AVG_SQ_CODES, EXP_AVG_SQ_SCALES, MAX_CODES,
                 MAX_SCALES, WEIGHT_CORRECTION)
