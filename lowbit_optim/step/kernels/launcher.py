@@ -31,6 +31,8 @@ CAPPED_MOMENT_COUNT = 2
 INTERPRETER_TILE_ELEMENTS = 16384
 # The kernel's moment slots: a rule keeps one to three moments.
 MAX_MOMENTS = 3
+# Where the rule's constants are among the kernel's positional arguments (``launch_one``).
+CONSTANTS_ARGUMENT = layouts.LIST_COUNT + 3 + 2 * MAX_MOMENTS
 
 # Decided when the kernel was defined: Triton reads TRITON_INTERPRET in its @jit decorator.
 _KERNEL_KIND = type(lowbit_step_kernel)
