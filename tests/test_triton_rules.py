@@ -27,6 +27,7 @@ from lowbit_optim.step.rule_step import RuleEntry, RulePlan, rule_graph_count
 
 pytest.importorskip("triton")
 from kernel_helpers import assert_states_equal, gradient  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 from lowbit_optim.step.kernels import launcher  # noqa: E402
 
@@ -190,3 +191,11 @@ def test_rules_without_amsgrad_refuse_it():
     for cls in CLASSES:
         with pytest.raises(TypeError):
             cls([torch.nn.Parameter(torch.zeros(10))], amsgrad=True)
+
+
+def test_a_piece_built_for_the_other_mode_is_refused():
+    """Triton decides between interpreter and compiler when a function is defined: a rule's
+    piece defined before ``TRITON_INTERPRET`` was set cannot run in the interpreted kernel."""
+    compiled_piece = JITFunction(Lion8bit.rule.kernel_update.fn)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET before lowbit_optim is first imported"):
+        launcher.check_update(launcher.KernelUpdate(compiled_piece))
