@@ -108,9 +108,7 @@ if triton is not None:
         (``step.kernels.step_kernel``); ``constants`` from ``AdEMAMixRule.kernel_constants``."""
         (lr, decay, beta1, one_minus_beta1, beta3, one_minus_beta3, beta2, one_minus_beta2, alpha,
          inv_bias_correction1, inv_bias_correction2_sqrt, eps, fast_bound, slow_bound) = constants
-        exp_avg = moments[0]
-        exp_avg_slow = moments[1]
-        exp_avg_sq = moments[2]
+        exp_avg, exp_avg_slow, exp_avg_sq = moments
         new_exp_avg = exp_avg * beta1 + grad * one_minus_beta1
         new_exp_avg_slow = exp_avg_slow * beta3 + grad * one_minus_beta3
         # squared_gradient_term's order, ((1 - beta2) * g) * g.

@@ -41,7 +41,7 @@ if triton is not None:
     def lion_kernel_update(param, grad, moments, constants, VARIANT: tl.constexpr, INTERPRETED: tl.constexpr):
         """``LionRule.update`` on float32 values, for the step kernel (``step.kernels.step_kernel``)."""
         lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2 = constants
-        exp_avg = moments[0]
+        (exp_avg,) = moments
         interpolated = exp_avg * beta1 + grad * one_minus_beta1
         direction = tl.where(interpolated > 0, 1.0, tl.where(interpolated < 0, -1.0, 0.0))
         new_param = param * decay - lr * direction
