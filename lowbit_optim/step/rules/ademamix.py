@@ -64,6 +64,25 @@ class AdEMAMixConstants(NamedTuple):
     slow_bound: torch.Tensor
 
 
+class AdEMAMixKernelConstants(NamedTuple):
+    """``ademamix_kernel_update``'s constants (Python floats), in the order it unpacks them."""
+
+    lr: float
+    decay: float  # 1 - lr * weight_decay
+    beta1: float
+    one_minus_beta1: float
+    beta3: float  # scheduled
+    one_minus_beta3: float
+    beta2: float
+    one_minus_beta2: float
+    alpha: float  # scheduled
+    inv_bias_correction1: float
+    inv_bias_correction2_sqrt: float
+    eps: float
+    fast_bound: float
+    slow_bound: float
+
+
 def scheduled_alpha(alpha, t_alpha, step):
     """The paper's linear warm-up of ``alpha`` over ``t_alpha`` steps (``t_alpha = 0``: off)."""
     return torch.where(t_alpha > 0, torch.minimum(step * alpha / t_alpha, alpha), alpha)
@@ -105,7 +124,7 @@ if triton is not None:
     def ademamix_kernel_update(param, grad, moments, constants, VARIANT: tl.constexpr,
                                INTERPRETED: tl.constexpr):
         """``AdEMAMixRule.update`` on float32 values, for the step kernel
-        (``step.kernels.step_kernel``); ``constants`` from ``AdEMAMixRule.kernel_constants``."""
+        (``step.kernels.step_kernel``); ``constants``: ``AdEMAMixKernelConstants``."""
         (lr, decay, beta1, one_minus_beta1, beta3, one_minus_beta3, beta2, one_minus_beta2, alpha,
          inv_bias_correction1, inv_bias_correction2_sqrt, eps, fast_bound, slow_bound) = constants
         exp_avg, exp_avg_slow, exp_avg_sq = moments
@@ -173,14 +192,17 @@ class AdEMAMixRule(UpdateRule):
         new_param = param * (1 - c.lr * c.weight_decay) - c.lr * (fast + c.alpha * slow)
         return new_param, (new_exp_avg, new_exp_avg_slow, new_exp_avg_sq)
 
-    def kernel_constants(self, constants: AdEMAMixConstants) -> tuple[float, ...]:
+    def kernel_constants(self, constants: AdEMAMixConstants) -> AdEMAMixKernelConstants:
         """``ademamix_kernel_update``'s constants, formed in float64 from ``step_constants``'
         0-d tensors as ``update`` forms them (the kernel rounds each to float32, as torch
         rounds a 0-d double operand), with the two bias corrections as reciprocals."""
         c = AdEMAMixConstants(*(float(value) for value in constants))
-        return (c.lr, 1 - c.lr * c.weight_decay, c.beta1, 1 - c.beta1, c.beta3, 1 - c.beta3, c.beta2,
-                1 - c.beta2, c.alpha, 1 / c.bias_correction1, 1 / c.bias_correction2_sqrt, c.eps,
-                c.fast_bound, c.slow_bound)
+        return AdEMAMixKernelConstants(
+            lr=c.lr, decay=1 - c.lr * c.weight_decay, beta1=c.beta1, one_minus_beta1=1 - c.beta1,
+            beta3=c.beta3, one_minus_beta3=1 - c.beta3, beta2=c.beta2, one_minus_beta2=1 - c.beta2,
+            alpha=c.alpha, inv_bias_correction1=1 / c.bias_correction1,
+            inv_bias_correction2_sqrt=1 / c.bias_correction2_sqrt, eps=c.eps, fast_bound=c.fast_bound,
+            slow_bound=c.slow_bound)
 
 
 ADEMAMIX = AdEMAMixRule()

@@ -76,7 +76,8 @@ class UpdateRule:
         raise NotImplementedError
 
     def kernel_constants(self, constants) -> tuple[float, ...]:
-        """``kernel_update``'s constants (Python floats) from ``step_constants``' 0-d tensors."""
+        """``kernel_update``'s constants (Python floats, a NamedTuple in the order the piece
+        unpacks them) from ``step_constants``' 0-d tensors."""
         raise NotImplementedError
 
     def plan(self, entries: list[RuleEntry], backend: str, params: list[torch.Tensor]):

@@ -36,10 +36,22 @@ class LionConstants(NamedTuple):
     weight_decay: torch.Tensor
 
 
+class LionKernelConstants(NamedTuple):
+    """``lion_kernel_update``'s constants (Python floats), in the order it unpacks them."""
+
+    lr: float
+    decay: float  # 1 - lr * weight_decay
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+
+
 if triton is not None:
     @triton.jit
     def lion_kernel_update(param, grad, moments, constants, VARIANT: tl.constexpr, INTERPRETED: tl.constexpr):
-        """``LionRule.update`` on float32 values, for the step kernel (``step.kernels.step_kernel``)."""
+        """``LionRule.update`` on float32 values, for the step kernel (``step.kernels.step_kernel``);
+        ``constants``: ``LionKernelConstants``."""
         lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2 = constants
         (exp_avg,) = moments
         interpolated = exp_avg * beta1 + grad * one_minus_beta1
@@ -75,12 +87,13 @@ class LionRule(UpdateRule):
         new_param = param * (1 - lr * weight_decay) - lr * direction
         return new_param, (exp_avg * beta2 + grad * (1 - beta2),)
 
-    def kernel_constants(self, constants: LionConstants) -> tuple[float, ...]:
+    def kernel_constants(self, constants: LionConstants) -> LionKernelConstants:
         """``lion_kernel_update``'s constants, formed in float64 as ``update`` forms them from
         its 0-d tensors (the kernel rounds each to float32, as torch rounds a 0-d double
         operand; ``lr`` is float32 already)."""
         lr, beta1, beta2, weight_decay = (float(value) for value in constants)
-        return (lr, 1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2)
+        return LionKernelConstants(lr=lr, decay=1 - lr * weight_decay, beta1=beta1, one_minus_beta1=1 - beta1,
+                                   beta2=beta2, one_minus_beta2=1 - beta2)
 
 
 LION = LionRule()
