@@ -2,10 +2,11 @@
 requantize updated values (per block ``scale = max |x|`` over the block's finite values,
 ``code = nearest(x * (1 / scale))``) with their codes and scales written back.
 
-The scales are the reference's bit for bit (``lowbit_optim.step.quantized``: the block maximum
-is exact). Two places trade IEEE-exact forms for cheap ones (the IEEE forms cost ~45 SASS
-instructions per element together with AdamW's update, measured with benchmarks/kernel_stats.py), with
-these bounds (``RN`` is float32 round-to-nearest):
+A block's scale is its maximum, which is exact, so the scales are the reference's
+(``lowbit_optim.step.quantized``) bit for bit wherever the moments are. Two places trade
+IEEE-exact forms for cheap ones (with AdamW's update the IEEE forms cost ~45 SASS instructions
+per element, measured with benchmarks/kernel_stats.py), with these bounds (``RN`` is float32
+round-to-nearest):
 
 * Normalisation: one reciprocal per block, ``r = 1 / scale`` (``div.full.f32``: <= 2 ulp on
   the GPU, correctly rounded under ``TRITON_INTERPRET=1``), then ``x = v * r`` (a block whose
