@@ -9,8 +9,10 @@ whose gradient is NaN or ±inf keeps its parameter and its moments for that step
 parameters are written by rounding (bf16: or stochastic rounding) or through their master weight
 (``master_weights``).
 
-The Triton and C++ kernels are AdamW's (``rules.adamw``): a rule without kernels of its own
-steps through the compiled step on every backend, which is also the reference on every device.
+With ``backend="triton"`` the quantized parameters of a rule that supplies a Triton piece
+(``UpdateRule.kernel_update``) go to the step kernel (``step.kernels``, imported only then),
+which applies the same policies; everything else steps through the compiled step, which is
+also the reference on every device. The C++ kernel is AdamW's (``rules.adamw``).
 """
 
 import functools
@@ -106,8 +108,21 @@ class RulePlan:
     def __init__(self, rule, entries: list[RuleEntry], backend: str):
         self.rule = rule
         self.compiled = backend != "eager"
-        self.quantized = [(index, entry._replace(grad=None)) for index, entry in enumerate(entries)
-                          if isinstance(entry.moments[0], QuantizedState)]
+        quantized = [index for index, entry in enumerate(entries)
+                     if isinstance(entry.moments[0], QuantizedState)]
+        # The kernel's: quantized parameters of a rule with a Triton piece (float64 ones have
+        # no kernel variant).
+        self.kernel_indices = [i for i in quantized if backend == "triton" and rule.kernel_update is not None
+                               and entries[i].param.dtype != torch.float64]
+        self.kernel = None
+        if self.kernel_indices:
+            from lowbit_optim.step import kernels  # imports Triton: only when the backend is in use
+
+            self.kernel = kernels.KernelGroupPlan([kernels.KernelEntry(*entries[i])
+                                                   for i in self.kernel_indices])
+            self.kernel_update = kernels.KernelUpdate(rule.kernel_update)
+        self.quantized = [(index, entries[index]._replace(grad=None)) for index in quantized
+                          if index not in self.kernel_indices]
         self.float_state = []
         floats = [(index, entry) for index, entry in enumerate(entries)
                   if not isinstance(entry.moments[0], QuantizedState)]
@@ -127,6 +142,12 @@ class RulePlan:
             update = functools.partial(apply_rule, self.rule, constants=constants_of(step),
                                        maximize=options.maximize)
             float_step.step([grads[i] for i in indices], update, stochastic_round=options.stochastic_round)
+        if self.kernel is not None:
+            self.kernel.run([grads[i] for i in self.kernel_indices],
+                            lambda step: self.rule.kernel_constants(constants_of(step)),
+                            update=self.kernel_update,
+                            maximize=options.maximize, stochastic_round=options.stochastic_round,
+                            rounding_stream=options.rounding_stream)
 
     def _quantized(self, entry: RuleEntry, constants, options: StepOptions, scratch: TailScratch) -> None:
         formats = tuple(moment.format for moment in entry.moments)
