@@ -5,7 +5,7 @@ parameters the Python was the larger part (issue 17: ~13-25 us per parameter, 15
 for 562 parameters). Here every host-side piece runs for real (the group's plan and its
 checks, ``lowbit_optim.step.plan``; the float-state step of the small parameters; each kind's
 launches and layout table, ``lowbit_optim.step.kernels.plan``) and only
-``_adamw_lowbit_kernel[grid](...)`` is replaced by a counter, so the figures hold without a
+``lowbit_step_kernel[grid](...)`` is replaced by a counter, so the figures hold without a
 GPU:
 
 * host microseconds per parameter per step (all parameters counted, quantized or not), with
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState  # noqa: E402
 from lowbit_optim.bench import harness  # noqa: E402
-from lowbit_optim.step.kernels import adamw_lowbit  # noqa: E402
+from lowbit_optim.step.kernels import launcher  # noqa: E402
 from lowbit_optim.step.kernels import layout as layouts  # noqa: E402
 
 OPTIMIZERS = {"lowbit_triton_8bit": AdamW8bit, "lowbit_triton_4bit": AdamW4bit}
@@ -110,7 +110,7 @@ def host_us_per_param(name: str, count: int, steps: int, *, gradients: str) -> d
     stub = StubbedKernel()
     copies = []
     real_to_device = layouts._to_device
-    real_kernel, adamw_lowbit._adamw_lowbit_kernel = adamw_lowbit._adamw_lowbit_kernel, stub
+    real_kernel, launcher.lowbit_step_kernel = launcher.lowbit_step_kernel, stub
     layouts._to_device = lambda *args: copies.append(1) or real_to_device(*args)
     foreach_copy = torch._foreach_copy_ = TimedForeachCopy(torch._foreach_copy_)
     try:
@@ -136,7 +136,7 @@ def host_us_per_param(name: str, count: int, steps: int, *, gradients: str) -> d
             foreach_seconds.append(foreach_copy.seconds)
         replanned = optimizer._caches[0].plan is not plans
     finally:
-        adamw_lowbit._adamw_lowbit_kernel = real_kernel
+        launcher.lowbit_step_kernel = real_kernel
         layouts._to_device = real_to_device
         torch._foreach_copy_ = foreach_copy.copy
     step_ms = harness.median_ms(seconds)

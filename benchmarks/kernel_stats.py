@@ -3,12 +3,13 @@
     python benchmarks/kernel_stats.py                       # sm_90 and sm_80, every variant
     python benchmarks/kernel_stats.py --arch 90 --defaults  # the optimizer's defaults only
     python benchmarks/kernel_stats.py --json kernel_stats.json
+    python benchmarks/kernel_stats.py --rules lion ademamix   # the other update rules' variants
 
 Run it with the checkout you mean to measure first on ``sys.path`` (``PYTHONPATH=.`` from the
 repository root): ``python benchmarks/...`` puts ``benchmarks/`` there, not the checkout, so
 otherwise the installed ``lowbit_optim`` is measured.
 
-No GPU is needed: ``lowbit_optim.step.kernels.adamw_lowbit.launch`` is driven with ``meta``
+No GPU is needed: ``lowbit_optim.step.kernels.launcher.launch`` is driven with ``meta``
 tensors (which the host code treats as a GPU device: GPU tile sizes, no interpreter paths),
 its kernel launches are recorded instead of run, and each recorded launch is specialised
 exactly as Triton's JIT would specialise it (its own binder: pointer dtypes, 16-byte
@@ -52,7 +53,11 @@ except ImportError:  # pragma: no cover - the script needs Triton, the package d
 
 from lowbit_optim.bench import harness
 from lowbit_optim.formats.catalog import get_format
-from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.hyperparams import GroupScalars
+from lowbit_optim.step.kernels import launcher
+from lowbit_optim.step.math import adamw_kernel_constants, adamw_kernel_update
+from lowbit_optim.step.rules.ademamix import ADEMAMIX
+from lowbit_optim.step.rules.lion import LION
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 KINDS = {  # state kind -> (exp_avg format, exp_avg_sq format, default block size)
@@ -60,6 +65,13 @@ KINDS = {  # state kind -> (exp_avg format, exp_avg_sq format, default block siz
     "4bit": ("dynamic4-signed", "linear4-nonzero", 128),
     "fp8": ("float8-e4m3", "float8-e4m3-nonzero", 256),
 }
+# The update rules' default hyperparameters (bitsandbytes'), for their kernel constants.
+RULE_GROUPS = {
+    "lion": (LION, dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)),
+    "ademamix": (ADEMAMIX, dict(lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, eps=1e-8, weight_decay=1e-2,
+                                t_alpha=None, t_beta3=None)),
+}
+RULES = ("adamw", *RULE_GROUPS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Two parameters per group: a tile-multiple one and one that ends in a partly masked tile.
 # The unaligned variant's first parameter starts one element into its storage.
@@ -82,14 +94,14 @@ class _Recorder:
 @contextlib.contextmanager
 def recorded_launches():
     launches = []
-    jitted = {name: value for name, value in vars(adamw_lowbit).items() if isinstance(value, JITFunction)}
+    jitted = {name: value for name, value in vars(launcher).items() if isinstance(value, JITFunction)}
     for name, kernel in jitted.items():
-        setattr(adamw_lowbit, name, _Recorder(kernel, launches))
+        setattr(launcher, name, _Recorder(kernel, launches))
     try:
         yield launches
     finally:
         for name, kernel in jitted.items():
-            setattr(adamw_lowbit, name, kernel)
+            setattr(launcher, name, kernel)
 
 
 def _moment(fmt, numel, block_size, aligned):
@@ -100,12 +112,29 @@ def _moment(fmt, numel, block_size, aligned):
     return codes[pad:].view(blocks, -1), scales[pad:]
 
 
-def variant_launches(kind, dtype, *, amsgrad, stochastic_round, aligned, master_weight_bits=None):
+def rule_launch(rule_name, exp_avg_format, exp_avg_sq_format, amsgrad):
+    """(formats of the rule's moments, its ``KernelUpdate``, its constants at step 1)."""
+    if rule_name == "adamw":
+        formats = (exp_avg_format, exp_avg_sq_format, exp_avg_sq_format)[:3 if amsgrad else 2]
+        return formats, launcher.KernelUpdate(adamw_kernel_update), adamw_kernel_constants(
+            1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0)
+    rule, group = RULE_GROUPS[rule_name]
+    scalars = GroupScalars(rule)
+    scalars.refresh(group)
+    formats = tuple(exp_avg_format if spec.signed else exp_avg_sq_format for spec in rule.moments)
+    constants = rule.kernel_constants(rule.step_constants(scalars, torch.tensor(1.0)))
+    return formats, launcher.KernelUpdate(rule.kernel_update), constants
+
+
+def variant_launches(kind, dtype, *, amsgrad, stochastic_round, aligned, master_weight_bits=None,
+                     rule="adamw"):
     """What ``launch`` launches for a group of ``NUMELS`` parameters of this kind
-    (``master_weight_bits``: with int8 or int16 weight corrections)."""
+    (``master_weight_bits``: with int8 or int16 weight corrections) and update rule (its signed
+    moments in the kind's first format, the others in its second)."""
     exp_avg_name, exp_avg_sq_name, block_size = KINDS[kind]
     exp_avg_format, exp_avg_sq_format = get_format(exp_avg_name), get_format(exp_avg_sq_name)
-    params, grads, moments, corrections = [], [], [[], [], []], []
+    formats, update, constants = rule_launch(rule, exp_avg_format, exp_avg_sq_format, amsgrad)
+    params, grads, moments, corrections = [], [], [[] for _ in formats], []
     correction_dtype = torch.int8 if master_weight_bits == 24 else torch.int16
     for index, numel in enumerate(NUMELS):
         # Only the first parameter is misaligned: the rest of the group is as usual.
@@ -113,14 +142,12 @@ def variant_launches(kind, dtype, *, amsgrad, stochastic_round, aligned, master_
         params.append(torch.empty(numel + pad, dtype=dtype, device="meta")[pad:])
         grads.append(torch.empty(numel + pad, dtype=dtype, device="meta")[pad:])
         corrections.append(torch.empty(numel + pad, dtype=correction_dtype, device="meta")[pad:])
-        for moment, fmt in zip(moments, (exp_avg_format, exp_avg_sq_format, exp_avg_sq_format)):
+        for moment, fmt in zip(moments, formats):
             moment.append(_moment(fmt, numel, block_size, aligned or index))
-    scalars = adamw_lowbit.host_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0)
     with recorded_launches() as launches:
-        adamw_lowbit.launch(params, grads, moments[0], moments[1], moments[2] if amsgrad else None, scalars,
-                            exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format,
-                            block_size=block_size, maximize=False, stochastic_round=stochastic_round, seed=1,
-                            weight_corrections=corrections if master_weight_bits else None)
+        launcher.launch(params, grads, moments, constants, update=update, formats=formats,
+                        block_size=block_size, maximize=False, stochastic_round=stochastic_round, seed=1,
+                        weight_corrections=corrections if master_weight_bits else None)
     return launches
 
 
@@ -191,10 +218,12 @@ def ptxas_version() -> str:
 
 
 def measure(kind, dtype_name, *, amsgrad, stochastic_round, aligned, archs,
-            master_weight_bits=None) -> list[dict]:
+            master_weight_bits=None, rule="adamw") -> list[dict]:
     launches = variant_launches(kind, DTYPES[dtype_name], amsgrad=amsgrad, stochastic_round=stochastic_round,
-                                aligned=aligned, master_weight_bits=master_weight_bits)
-    name = f"{kind}-{dtype_name}" + ("-sr" if stochastic_round else "")
+                                aligned=aligned, master_weight_bits=master_weight_bits, rule=rule)
+    # AdamW's variants keep their names; the other rules' carry theirs in front.
+    name = ("" if rule == "adamw" else f"{rule}-") + f"{kind}-{dtype_name}"
+    name += "-sr" if stochastic_round else ""
     name += (f"-mw{master_weight_bits}" if master_weight_bits else "") + ("-amsgrad" if amsgrad else "")
     name += "" if aligned else "-unaligned"
     default = aligned and not amsgrad and not stochastic_round and not master_weight_bits
@@ -216,7 +245,7 @@ def measure(kind, dtype_name, *, amsgrad, stochastic_round, aligned, archs,
             per_thread = elements / threads
             loads, stores = _memory_ops(opcodes, "LDG"), _memory_ops(opcodes, "STG")
             rows.append({
-                "variant": name,
+                "variant": name, "rule": rule,
                 "default": default, "arch": f"sm_{arch}", "kind": kind, "param_dtype": dtype_name,
                 "amsgrad": amsgrad, "stochastic_round": stochastic_round, "aligned": aligned,
                 "master_weight_bits": master_weight_bits,
@@ -249,9 +278,11 @@ COLUMNS = [
 ]
 
 
-def variants(defaults_only: bool, kinds):
-    for kind, dtype_name, amsgrad, stochastic_round, master_weight_bits, aligned in itertools.product(
-            kinds, DTYPES, (False, True), (False, True), (None, 24, 32), (True, False)):
+def variants(defaults_only: bool, kinds, rules=("adamw",)):
+    for rule, kind, dtype_name, amsgrad, stochastic_round, master_weight_bits, aligned in itertools.product(
+            rules, kinds, DTYPES, (False, True), (False, True), (None, 24, 32), (True, False)):
+        if amsgrad and rule != "adamw":
+            continue  # amsgrad is AdamW's
         if stochastic_round and dtype_name != "bf16":
             continue  # stochastic rounding applies to bfloat16 parameters only
         if master_weight_bits and dtype_name == "fp32":
@@ -261,13 +292,15 @@ def variants(defaults_only: bool, kinds):
         if defaults_only and (amsgrad or stochastic_round or master_weight_bits or not aligned):
             continue
         yield kind, dtype_name, dict(amsgrad=amsgrad, stochastic_round=stochastic_round, aligned=aligned,
-                                     master_weight_bits=master_weight_bits)
+                                     master_weight_bits=master_weight_bits, rule=rule)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--rules", nargs="+", default=["adamw"], choices=list(RULES),
+                        help="update rules (adamw: AdamW and Adam, the default)")
     parser.add_argument("--defaults", action="store_true", help="only the variants of default arguments")
     parser.add_argument("--json", type=pathlib.Path, help="write the rows here as a JSON list")
     args = parser.parse_args(argv)
@@ -275,7 +308,7 @@ def main(argv=None) -> None:
     env = harness.environment()
     toolchain = {"triton": triton.__version__, "ptxas": ptxas_version()}
     rows = []
-    for kind, dtype_name, flags in variants(args.defaults, args.kinds):
+    for kind, dtype_name, flags in variants(args.defaults, args.kinds, args.rules):
         for row in measure(kind, dtype_name, archs=args.arch, **flags):
             rows.append({**row, **toolchain, "machine": harness.machine_line(env), "torch": env["torch"]})
             print(f"{row['variant']:>32} {row['arch']}: "

@@ -3,7 +3,8 @@ CPU), tests/test_cuda.py (a real GPU) and tests/test_step_plan.py: cases, one st
 and the bounds they are compared with. ``lowbit_optim.step.kernels`` is imported by
 ``conftest.pytest_configure``, under the interpreter when there is no GPU.
 
-Tolerances (derived in the docstring of ``lowbit_optim/step/kernels/adamw_lowbit.py``).
+Tolerances (derived in the docstrings of ``lowbit_optim/step/kernels/moment_codes.py`` and of
+``lowbit_optim.step.math.adamw_kernel_update``).
 Scales must be identical: the moments are computed operation for operation as in the
 reference. A code may differ from the reference's only by one step of its map, and only for
 a value whose normalised magnitude is within ``CODE_EDGE_RELATIVE * |x| +
@@ -53,6 +54,11 @@ def hyper_tensors(lr, betas, weight_decay, step, eps=1e-8):
     return (torch.tensor(lr, dtype=torch.float32), torch.tensor(betas[0], dtype=double),
             torch.tensor(betas[1], dtype=double), torch.tensor(eps, dtype=double),
             torch.tensor(weight_decay, dtype=double), torch.tensor(float(step)))
+
+
+def hyper_keywords(hyper) -> dict:
+    """``hyper_tensors``' values as the op's keyword arguments."""
+    return dict(zip(("lr", "beta1", "beta2", "eps", "weight_decay", "step"), hyper))
 
 
 def make_case(numel, kind, dtype, amsgrad=False):

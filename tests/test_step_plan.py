@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
-from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.kernels import launcher
 from lowbit_optim.step.kernels import layout as layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
@@ -262,7 +262,7 @@ class Counts:
                     counts.launches += 1
                 return launch
 
-        monkeypatch.setattr(adamw_lowbit, "_adamw_lowbit_kernel", Stub())
+        monkeypatch.setattr(launcher, "lowbit_step_kernel", Stub())
 
     def take(self) -> dict:
         taken = dict(plans=self.plans, builds=self.builds, gradient_updates=self.gradient_updates,

@@ -25,7 +25,7 @@ from lowbit_optim.formats.catalog import get_format
 from lowbit_optim.state import QuantizedState, sharding
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.dispatch import resolve_backend
-from lowbit_optim.step.math import adam_ratio_bound
+from lowbit_optim.step.math import adam_ratio_bound, adamw_kernel_constants
 
 pytest.importorskip("triton")
 from kernel_helpers import (  # noqa: E402
@@ -35,6 +35,7 @@ from kernel_helpers import (  # noqa: E402
     assert_params_close,
     assert_states_equal,
     gradient,
+    hyper_keywords,
     hyper_tensors,
     kernel_step,
     make_case,
@@ -43,7 +44,7 @@ from kernel_helpers import (  # noqa: E402
 )
 
 from lowbit_optim.step import kernels  # noqa: E402
-from lowbit_optim.step.kernels import adamw_lowbit  # noqa: E402
+from lowbit_optim.step.kernels import launcher, param_access  # noqa: E402
 
 # NaN gradients (the non-finite policy) flow into the interpreter's numpy division before the
 # kernel's selects put the old values back.
@@ -107,8 +108,8 @@ def test_amsgrad_maximize(kind):
 
 @pytest.fixture
 def launches(monkeypatch, interpreter):
-    counter = LaunchCounter(adamw_lowbit._adamw_lowbit_kernel)
-    monkeypatch.setattr(adamw_lowbit, "_adamw_lowbit_kernel", counter)
+    counter = LaunchCounter(launcher.lowbit_step_kernel)
+    monkeypatch.setattr(launcher, "lowbit_step_kernel", counter)
     return counter
 
 
@@ -149,13 +150,13 @@ def test_odd_size_splits_off_its_last_block(kind, launches, monkeypatch):
     from lowbit_optim.step.kernels import layout as layouts
 
     seen = []
-    real = adamw_lowbit._launch_one
+    real = launcher.launch_one
 
     def record(bases, layout, *args):
         seen.append((layout.aligned, layout.table[:, layouts.NUMEL].tolist()))
         return real(bases, layout, *args)
 
-    monkeypatch.setattr(adamw_lowbit, "_launch_one", record)
+    monkeypatch.setattr(launcher, "launch_one", record)
     param, states = make_case(4097, kind, torch.float32)
     block_size = states[0].block_size
     run_against_reference([(param, None, states)], steps=SCHEDULE[:2])
@@ -287,9 +288,8 @@ def test_custom_op_under_torch_compile():
 
     def step(param, grad, codes_m, scales_m, codes_v, scales_v, *hyper):
         torch.ops.lowbit_optim.adamw_lowbit_step(
-            [param], [grad], [codes_m], [scales_m], [codes_v], [scales_v], [], [], [], *hyper,
-            exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero",
-            maximize=False, stochastic_round=False)
+            [param], [grad], [codes_m, scales_m], [codes_v, scales_v], [], [], **hyper_keywords(hyper),
+            exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero")
 
     compiled = torch.compile(step, fullgraph=True)
     compiled(param, grad, states[0].codes, states[0].scales, states[1].codes, states[1].scales, *hyper)
@@ -309,32 +309,32 @@ def test_host_ratio_bound_is_adams_own(betas):
     """The kernel's clamp (a host float) is ``step.math.adam_ratio_bound``."""
     for step in (1, 2, 10, 1000):
         expected = adam_ratio_bound(*(torch.tensor(v, dtype=torch.float64) for v in (*betas, step)))
-        assert adamw_lowbit.host_scalars(1e-3, *betas, 1e-8, 0.0, step)["max_ratio"] == pytest.approx(
+        assert adamw_kernel_constants(1e-3, *betas, 1e-8, 0.0, step).max_ratio == pytest.approx(
             float(expected), rel=1e-12)
 
 
 def test_op_rejects_bad_input():
     param, states = make_case(300, "8bit", torch.float32)
-    hyper = list(hyper_tensors(1e-3, (0.9, 0.999), 0.0, 1))
+    hyper = hyper_keywords(hyper_tensors(1e-3, (0.9, 0.999), 0.0, 1))
     op = torch.ops.lowbit_optim.adamw_lowbit_step
-    args = [[param], [torch.randn(300)], [states[0].codes], [states[0].scales], [states[1].codes],
-            [states[1].scales], [], [], []]
-    flags = dict(exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero",
-                 maximize=False, stochastic_round=False)
+    moments = [[states[0].codes, states[0].scales], [states[1].codes, states[1].scales], []]
+    flags = dict(exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero")
     with pytest.raises(ValueError, match="must be a 1-element CPU tensor"):
-        op(*args, torch.tensor([1e-3, 2e-3]), *hyper[1:], **flags)
+        op([param], [torch.randn(300)], *moments, [], **(hyper | {"lr": torch.tensor([1e-3, 2e-3])}), **flags)
     with pytest.raises(ValueError, match="do not fit a parameter"):
-        op([torch.zeros(600)], *args[1:], *hyper, **flags)
+        op([torch.zeros(600)], [torch.randn(300)], *moments, [], **hyper, **flags)
     with pytest.raises(ValueError, match="one entry per parameter"):
-        op(args[0], [], *args[2:], *hyper, **flags)
+        op([param], [], *moments, [], **hyper, **flags)
+    with pytest.raises(ValueError, match="one entry per parameter"):
+        op([param], [torch.randn(300)], moments[0][:1], *moments[1:], [], **hyper, **flags)
     fmt_m, fmt_v = get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero")
     # Built around QuantizedState's own check, which refuses block size 48 too: the op is
-    # public and checks what reaches it.
+    # public and checks what reaches it (with the one block-size rule, formats.catalog).
     odd = [QuantizedState(torch.zeros(7, 48 // fmt.codes_per_byte, dtype=torch.uint8), torch.zeros(7),
                           fmt.name, torch.Size([300]), torch.float32) for fmt in (fmt_m, fmt_v)]
-    with pytest.raises(ValueError, match="power-of-two block_size"):
-        op([param], [torch.randn(300)], [odd[0].codes], [odd[0].scales], [odd[1].codes], [odd[1].scales],
-           [], [], [], *hyper, **flags)
+    with pytest.raises(ValueError, match="Invalid block_size: 48"):
+        op([param], [torch.randn(300)], [odd[0].codes, odd[0].scales], [odd[1].codes, odd[1].scales], [], [],
+           **hyper, **flags)
 
 
 def test_backend_resolution(monkeypatch):
@@ -415,8 +415,8 @@ def test_cuda_matches_eager_no_copies_no_rejit(optimizer_class):
                 p.grad = g.clone()
             optimizer.step()
         if variants_after_first_step is None:
-            variants_after_first_step = _compiled_variants(adamw_lowbit._adamw_lowbit_kernel)
-    assert _compiled_variants(adamw_lowbit._adamw_lowbit_kernel) == variants_after_first_step
+            variants_after_first_step = _compiled_variants(launcher.lowbit_step_kernel)
+    assert _compiled_variants(launcher.lowbit_step_kernel) == variants_after_first_step
     params, optimizer = runs[None]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         optimizer.step()
@@ -424,7 +424,7 @@ def test_cuda_matches_eager_no_copies_no_rejit(optimizer_class):
     names = [event.name for event in profile.events()]
     assert not [n for n in names if "HtoD" in n], "host-to-device copy during a step"
     # One aligned launch (512 x 256) and one unaligned launch (sizes not multiples of 16).
-    assert sum("_adamw_lowbit_kernel" in n for n in names) == 2, "one launch per alignment class"
+    assert sum("lowbit_step_kernel" in n for n in names) == 2, "one launch per alignment class"
     # A tie resolved differently moves that element's moment by one bin and its later updates by
     # up to a few lr; everything else agrees to float rounding.
     total_lr = 2 * sum(lr for lr, _, _ in SCHEDULE)
@@ -473,9 +473,9 @@ def test_split_aligned_keeps_the_rest_together():
 
 
 def test_device_guard_is_the_parameters_device():
-    guard = adamw_lowbit.device_guard(torch.device("cuda", 1))
+    guard = launcher.device_guard(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
-    with adamw_lowbit.device_guard(torch.device("cpu")):
+    with launcher.device_guard(torch.device("cpu")):
         pass
 
 
@@ -510,7 +510,7 @@ def test_random_bits_use_the_whole_64_bit_index():
     @triton.jit
     def bits_kernel(index_ptr, out_ptr, seed, N: tl.constexpr):
         offsets = tl.arange(0, N)
-        tl.store(out_ptr + offsets, adamw_lowbit._random_bits16(seed, tl.load(index_ptr + offsets)))
+        tl.store(out_ptr + offsets, param_access.random_bits16(seed, tl.load(index_ptr + offsets)))
 
     index = torch.arange(256, dtype=torch.int64)
     index = torch.cat([index, index + 2**32, index + 2**40, index + 2**33])

@@ -3,7 +3,7 @@
 Encoding is a comparison, so the kernel must give exactly ``codec.encode``'s code for every
 normalised value, ties at bin edges included (the 8-bit cell tables' argument is in
 ``lowbit_optim/step/kernels/top_bits.py``). ``encode_normalized`` runs the kernel's own encoder
-(``adamw_lowbit._encode``): under the interpreter here, compiled in tests/test_cuda.py.
+(``moment_codes.encode``): under the interpreter here, compiled in tests/test_cuda.py.
 """
 
 import pytest

@@ -46,6 +46,7 @@ from kernel_helpers import (
     assert_params_close,
     assert_states_equal,
     gradient,
+    hyper_keywords,
     hyper_tensors,
     kernel_step,
     make_case,
@@ -56,6 +57,7 @@ from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, release_gradients
 from lowbit_optim.step.master_weights import CORRECTION_KEY, correction_dtype, read_master, split_master
 
 pytest.importorskip("triton")  # the kernels' package: imported by conftest under the interpreter
+from lowbit_optim.step.kernels import stored_tensors  # noqa: E402
 
 # NaN gradients (the non-finite policy) flow into the interpreter's numpy division before the
 # kernel's selects put the old values back.
@@ -327,10 +329,9 @@ def test_custom_op_with_master_weights_under_torch_compile():
 
     def step(params, corrections, states):
         torch.ops.lowbit_optim.adamw_lowbit_step(
-            params, grads, [s[0].codes for s in states], [s[0].scales for s in states],
-            [s[1].codes for s in states], [s[1].scales for s in states], [], [], corrections, *hyper,
-            exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero",
-            maximize=False, stochastic_round=False)
+            params, grads, stored_tensors(s[0] for s in states), stored_tensors(s[1] for s in states), [],
+            corrections, **hyper_keywords(hyper), exp_avg_format="dynamic8-signed",
+            exp_avg_sq_format="dynamic8-unsigned-nonzero")
 
     torch.compile(step, fullgraph=True)(*(list(parts) for parts in zip(*cases)))
     step(*(list(parts) for parts in zip(*copies)))

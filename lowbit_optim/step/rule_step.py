@@ -9,11 +9,12 @@ whose gradient is NaN or ±inf keeps its parameter and its moments for that step
 parameters are written by rounding (bf16: or stochastic rounding) or through their master weight
 (``master_weights``).
 
-With ``backend="cpu"`` a rule that names a C++ functor (``UpdateRule.cpu_functor``: Lion,
-AdEMAMix) steps its quantized parameters in the one-pass CPU kernel (``cpu_kernel``), which
-applies the same policies around the functor; the rest (and every parameter ``cpu_kernel.supports``
-turns down: float64, blocks above 2048) takes the compiled step, which is also the reference
-on every device. The Triton kernels are AdamW's (``rules.adamw``).
+With ``backend="triton"`` the quantized parameters of a rule that supplies a Triton piece
+(``UpdateRule.kernel_update``) go to the step kernel (``step.kernels``, imported only then),
+and with ``backend="cpu"`` those of a rule that names a C++ functor (``UpdateRule.cpu_functor``)
+go to the one-pass CPU kernel (``cpu_kernel``; not float64 parameters, nor blocks above 2048);
+both apply the same policies. Everything else steps through the compiled step, which is also
+the reference on every device.
 """
 
 import functools
@@ -110,12 +111,27 @@ class RulePlan:
     def __init__(self, rule, entries: list[RuleEntry], backend: str):
         self.rule = rule
         self.compiled = backend != "eager"
-        self.quantized, self.cpu_kernel = [], []  # (index, entry) stepped one by one
-        for index, entry in enumerate(entries):
-            if isinstance(entry.moments[0], QuantizedState):
-                by_kernel = backend == "cpu" and _kernel_takes(rule, entry)
-                (self.cpu_kernel if by_kernel else self.quantized).append((index, entry._replace(grad=None)))
+        quantized = [index for index, entry in enumerate(entries)
+                     if isinstance(entry.moments[0], QuantizedState)]
+        # The kernel's: quantized parameters of a rule with a Triton piece (float64 ones have
+        # no kernel variant).
+        self.kernel_indices = [i for i in quantized if backend == "triton" and rule.kernel_update is not None
+                               and entries[i].param.dtype != torch.float64]
+        self.kernel = None
+        if self.kernel_indices:
+            from lowbit_optim.step import kernels  # imports Triton: only when the backend is in use
+
+            self.kernel = kernels.KernelGroupPlan([kernels.KernelEntry(*entries[i])
+                                                   for i in self.kernel_indices])
+            self.kernel_update = kernels.KernelUpdate(rule.kernel_update)
+        # The C++ CPU kernel's (one by one): quantized parameters of a rule with a functor that
+        # the kernel takes.
+        self.cpu_kernel = [(index, entries[index]._replace(grad=None)) for index in quantized
+                           if backend == "cpu" and _cpu_kernel_takes(rule, entries[index])]
         self.isa = cpu_kernel.default_isa() if self.cpu_kernel else None
+        taken = {*self.kernel_indices, *(index for index, _ in self.cpu_kernel)}
+        self.quantized = [(index, entries[index]._replace(grad=None)) for index in quantized
+                          if index not in taken]
         self.float_state = []
         floats = [(index, entry) for index, entry in enumerate(entries)
                   if not isinstance(entry.moments[0], QuantizedState)]
@@ -144,6 +160,12 @@ class RulePlan:
             update = functools.partial(apply_rule, self.rule, constants=constants_of(step),
                                        maximize=options.maximize)
             float_step.step([grads[i] for i in indices], update, stochastic_round=options.stochastic_round)
+        if self.kernel is not None:
+            self.kernel.run([grads[i] for i in self.kernel_indices],
+                            lambda step: self.rule.kernel_constants(constants_of(step)),
+                            update=self.kernel_update,
+                            maximize=options.maximize, stochastic_round=options.stochastic_round,
+                            rounding_stream=options.rounding_stream)
 
     def _quantized(self, entry: RuleEntry, constants, options: StepOptions, scratch: TailScratch) -> None:
         formats = tuple(moment.format for moment in entry.moments)
@@ -164,7 +186,7 @@ class RulePlan:
                              weight_correction=entry.weight_correction)
 
 
-def _kernel_takes(rule, entry: RuleEntry) -> bool:
+def _cpu_kernel_takes(rule, entry: RuleEntry) -> bool:
     """Whether the C++ CPU kernel steps this quantized entry: the rule has a functor and the
     kernel the parameter and formats (``cpu_kernel.supports``)."""
     formats = tuple(moment.format for moment in entry.moments)

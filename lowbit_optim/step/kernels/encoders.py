@@ -1,5 +1,5 @@
 """The step kernel's encoders on their own: ``encode_normalized`` runs the exact device code that
-requantizes the moments (``adamw_lowbit._encode``) on given normalised values, so tests can
+requantizes the moments (``moment_codes.encode``) on given normalised values, so tests can
 hold it against the reference codecs (``lowbit_optim.formats.codecs``) value by value: under
 the interpreter on CPU, and compiled on a GPU, where the 8-bit encoders read their cell tables
 through inline PTX.
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from lowbit_optim.formats.catalog import QuantFormat
-from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.kernels import moment_codes
+from lowbit_optim.step.kernels.launcher import device_guard
 from lowbit_optim.step.kernels.tables import codec_kind, device_tables
 
 _BLOCK = 1 << 16  # values per program: few programs under the interpreter
@@ -26,7 +27,7 @@ def _encode_kernel(values_ptr, codes_ptr, encoder_ptr, numel, BLOCK: tl.constexp
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     values = tl.reshape(tl.load(values_ptr + offsets, mask=mask, other=0.0), [1, BLOCK, 1])
-    codes = adamw_lowbit._encode(values, 1.0, 1.0, encoder_ptr, BITS, CODEC, INTERPRETED)
+    codes = moment_codes.encode(values, 1.0, 1.0, encoder_ptr, BITS, CODEC, INTERPRETED)
     tl.store(codes_ptr + offsets, tl.reshape(codes, [BLOCK]).to(tl.uint8), mask=mask)
 
 
@@ -37,7 +38,7 @@ def encode_normalized(values: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     codes = torch.empty(values.shape, dtype=torch.uint8, device=values.device)
     if values.numel():
         encoder = device_tables(fmt, values.device)[1]
-        with adamw_lowbit.device_guard(values.device):
+        with device_guard(values.device):
             _encode_kernel[(triton.cdiv(values.numel(), _BLOCK),)](
                 values, codes, encoder, values.numel(), BLOCK=_BLOCK, BITS=fmt.bits, CODEC=codec_kind(fmt),
                 INTERPRETED=values.device.type == "cpu")

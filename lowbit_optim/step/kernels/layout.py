@@ -6,7 +6,8 @@ tensors are found with one scalar load per tensor instead of one per element. Th
 two small device tensors:
 
 * ``table`` (int64, one row per parameter): for each of the eight tensor lists (param, grad,
-  exp_avg codes and scales, exp_avg_sq codes and scales, max codes and scales) the offset
+  then the codes and scales of the update rule's three moment slots: AdamW's exp_avg,
+  exp_avg_sq and max_exp_avg_sq; ``MOMENT_CODES``, ``MOMENT_SCALES``) the offset
   in elements of this parameter's tensor from the list's first tensor, which the kernel
   receives as a typed pointer; then ``numel`` and the parameter's first program; then, in a
   launch of parameters with master weights, the offset of their weight corrections (a ninth
@@ -23,7 +24,7 @@ kernel serves every parameter dtype without casting integers to pointers. A tabl
 with tensor operations and copied to the device from pinned memory without blocking the
 host. The optimizer keeps each launch's layout with its step plan (``kernels.plan``) and,
 when only the gradients moved, replaces their column (``with_column``: the program map is
-reused). Direct calls of ``adamw_lowbit.launch`` (the custom op) go through ``get_layout``,
+reused). Direct calls of ``launcher.launch`` (the AdamW op) go through ``get_layout``,
 which caches layouts by the tensors' addresses, sizes and dtypes (the same addresses with
 other element sizes give other offsets).
 """
@@ -39,7 +40,11 @@ import torch
 (PARAM, GRAD, EXP_AVG_CODES, EXP_AVG_SCALES, EXP_AVG_SQ_CODES, EXP_AVG_SQ_SCALES, MAX_CODES,
  MAX_SCALES, NUMEL, FIRST_PROGRAM, WEIGHT_CORRECTION) = range(11)
 LAYOUT_COLUMNS = 10
-# The column of each tensor list, in the lists' order (``adamw_lowbit.tensor_lists_of``).
+# The update rule's moments (up to three, in its order: AdamW's exp_avg, exp_avg_sq and
+# max_exp_avg_sq) in the three (codes, scales) column pairs.
+MOMENT_CODES = (EXP_AVG_CODES, EXP_AVG_SQ_CODES, MAX_CODES)
+MOMENT_SCALES = (EXP_AVG_SCALES, EXP_AVG_SQ_SCALES, MAX_SCALES)
+# The column of each tensor list, in the lists' order (``launcher.tensor_lists_of``).
 LIST_COLUMNS = (PARAM, GRAD, EXP_AVG_CODES, EXP_AVG_SCALES, EXP_AVG_SQ_CODES, EXP_AVG_SQ_SCALES, MAX_CODES,
                 MAX_SCALES, WEIGHT_CORRECTION)
 # A launch's lists without master weights (the weight corrections are a ninth).

@@ -1,6 +1,7 @@
 """The step kernel's master weights: ``lowbit_optim.step.master_weights`` (the reference, where
 the encodings and their reasons are) as Triton device functions, called by
-``adamw_lowbit._adamw_lowbit_kernel``'s ``MASTER_WEIGHT_BITS`` variants.
+``step_kernel.lowbit_step_kernel``'s ``MASTER_WEIGHT_BITS`` variants (``read_master`` through
+``param_access.load_param``).
 
 ``read_master`` forms the float32 master weight of a bfloat16 or float16 parameter and its
 correction; ``split_master`` splits an updated one back. Each performs the reference's

@@ -1,7 +1,7 @@
 """One kind's launches, worked out once and reused at every step (host cost:
 docs/benchmarks.md, "Host cost of the Triton path").
 
-``adamw_lowbit.launch`` works out on every call how its parameters split into an aligned and
+``launcher.launch`` works out on every call how its parameters split into an aligned and
 an unaligned launch, where each of their tensors is, and the layout table. Between two steps
 of an optimizer none of that changes except where the gradients are: parameters and states
 stay where they are, and ``zero_grad(set_to_none=True)`` frees the gradients, so that
@@ -23,11 +23,10 @@ from array import array
 import torch
 
 from lowbit_optim.formats.catalog import QuantFormat
-from lowbit_optim.step.kernels import adamw_lowbit
+from lowbit_optim.step.kernels import launcher
 from lowbit_optim.step.kernels import layout as layouts
-from lowbit_optim.step.kernels.tables import device_tables
 
-GRAD_ROW = 1  # the gradients' list among the kernel's (adamw_lowbit.tensor_lists_of)
+GRAD_ROW = 1  # the gradients' list among the kernel's (launcher.tensor_lists_of)
 
 
 class _Launch:
@@ -54,39 +53,37 @@ class _Launch:
 
 
 class KindPlan:
-    """The launches for one kind of parameters (one format pair, block size, parameter and
-    gradient dtype, device, amsgrad, master weight correction dtype), with their layouts.
+    """The launches for one kind of parameters (its moments' formats, block size, parameter and
+    gradient dtype, device, master weight correction
+    dtype), with their layouts.
 
-    ``params`` must be the tensors stepped at every ``run`` (contiguous), the moments the
-    ``(codes, scales)`` pairs of their states, ``weight_corrections`` their master weight
-    corrections (contiguous) or ``None``; ``grads`` are the current gradients, which only
-    decide the first split into aligned and unaligned launches.
+    ``params`` must be the tensors stepped at every ``run`` (contiguous), ``moments`` one list
+    of ``(codes, scales)`` pairs per moment of the rule (in its order, stored in ``formats``),
+    ``weight_corrections`` their master weight corrections (contiguous) or ``None``; ``grads``
+    are the current gradients, which only decide the first split into aligned and unaligned
+    launches.
     """
 
-    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: list[tuple],
-                 exp_avg_sq: list[tuple], max_exp_avg_sq: list[tuple] | None, *,
-                 exp_avg_format: QuantFormat, exp_avg_sq_format: QuantFormat, block_size: int,
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], moments: list[list[tuple]], *,
+                 formats: tuple[QuantFormat, ...], block_size: int,
                  weight_corrections: list[torch.Tensor] | None = None):
-        adamw_lowbit.check_launch_lists(params, grads, block_size, weight_corrections)
-        self.master_weight_bits = adamw_lowbit.master_weight_bits(params, weight_corrections)
-        self.states = (list(params), exp_avg, exp_avg_sq, max_exp_avg_sq, weight_corrections)
-        self.formats = (exp_avg_format, exp_avg_sq_format)
+        launcher.check_launch_lists(params, grads, block_size, weight_corrections)
+        self.master_weight_bits = launcher.master_weight_bits(params, weight_corrections)
+        self.params, self.moments, self.weight_corrections = list(params), moments, weight_corrections
+        self.formats = tuple(formats)
         self.block_size = block_size
         self.device = params[0].device
-        self.rows = adamw_lowbit.rows_per_program(self.device, block_size)
+        self.rows = launcher.rows_per_program(self.device, block_size)
         self.grad_element_size = grads[0].element_size()
-        self.tables = (device_tables(exp_avg_format, self.device)
-                       + device_tables(exp_avg_sq_format, self.device))
-        self.amsgrad = max_exp_avg_sq is not None
+        self.tables = launcher.moment_tables(self.formats, self.device)
         self.bf16 = params[0].dtype == torch.bfloat16
         self.launches = self._split(grads)
         self.grad_pointers: list[int] | None = None  # the gradients' addresses every layout has
-        self.options: dict[bool, dict] = {}
+        self.options: dict[tuple, dict] = {}
 
     def _split(self, grads: list[torch.Tensor]) -> list[_Launch]:
-        params, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_corrections = self.states
-        tensor_lists = adamw_lowbit.tensor_lists_of(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                                    weight_corrections)
+        params = self.params
+        tensor_lists = launcher.tensor_lists_of(params, grads, self.moments, self.weight_corrections)
         pieces, piece_param, piece_start = layouts.split_tails(tensor_lists, self.block_size)
         address = layouts.addresses_of(pieces)
         element_sizes = [tensors[0].element_size() for tensors in tensor_lists]
@@ -140,23 +137,23 @@ class KindPlan:
         self.grad_pointers = pointers
         return True
 
-    def run(self, grads: list[torch.Tensor], scalars: dict, *, maximize: bool, stochastic_round: bool,
-            seed: int) -> None:
+    def run(self, grads: list[torch.Tensor], constants: tuple[float, ...], *, update: launcher.KernelUpdate,
+            maximize: bool, stochastic_round: bool, seed: int) -> None:
         """Step every parameter of the kind in place with ``grads`` (contiguous, one per
-        parameter, in order); ``scalars`` from ``adamw_lowbit.host_scalars``."""
+        parameter, in order) by the rule's ``update`` with its ``constants`` for this step."""
         if not self._prepare(grads):
             self.launches = self._split(grads)
             self.grad_pointers = None
             self._prepare(grads)
         stochastic_round = stochastic_round and self.bf16
-        key = (maximize, stochastic_round)
+        key = (update, maximize, stochastic_round)
         if key not in self.options:
-            self.options[key] = adamw_lowbit.kernel_options(
-                *self.formats, block_size=self.block_size, rows=self.rows, amsgrad=self.amsgrad,
+            self.options[key] = launcher.kernel_options(
+                self.formats, update=update, block_size=self.block_size, rows=self.rows,
                 maximize=maximize, stochastic_round=stochastic_round, interpreted=self.device.type == "cpu",
                 master_weight_bits=self.master_weight_bits)
         for launch in self.launches:
             first, start = launch.first_param, launch.first_start
             grad = grads[first] if start == 0 else grads[first].view(-1)[start:]
             bases = [launch.bases[0], grad, *launch.bases[2:]]
-            adamw_lowbit._launch_one(bases, launch.layout, self.tables, scalars, seed, self.options[key])
+            launcher.launch_one(bases, launch.layout, self.tables, constants, seed, self.options[key])

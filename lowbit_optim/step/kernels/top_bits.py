@@ -2,7 +2,7 @@
 
 A normalised value ``x`` in [-1, 1] must encode as ``codec.encode(x)`` of its format
 (``lowbit_optim.formats.codecs``), exactly: encoding is a comparison, ties included. The
-kernel (``adamw_lowbit._encode_cells``) gets it without a search:
+kernel (``moment_codes._encode_cells``) gets it without a search:
 
 1. The magnitude ``m`` (``|x|``, or ``x`` itself for a zero-free codec, below) is clamped to
    ``[2**FLOOR_BINADE, 1]`` by a max and a min: exact, and the max drops NaN, which lands on

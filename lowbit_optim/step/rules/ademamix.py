@@ -18,11 +18,23 @@ is clamped at a bound exact AdEMAMix never exceeds: ``m1 / denom`` at Adam's own
 ``(1 - b2) * b2**(t - 1) * g_k**2`` to ``nu``. It is loose for long runs (it grows like
 ``b2**(-t/2)``) and infinite once that underflows: a guard against a second moment stored far
 below an element's own (a square that overflows float32), not a tuning knob.
+
+``ademamix_kernel_update`` is the same math as the Triton step kernel's element-wise piece
+(defined where Triton is installed): the moments operation for operation as
+``AdEMAMixRule.update`` (so the kernel's block scales are the compiled step's bit for bit), the
+parameter with the approximate square root and divisions of AdamW's piece
+(``math.adamw_kernel_update``, where the bound is) and two host reciprocals.
 """
 
 from typing import NamedTuple
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: without it the rule has no kernel piece
+    triton = None
 
 from lowbit_optim.step.functional import StepCache, step_params
 from lowbit_optim.step.hyperparams import (
@@ -54,6 +66,25 @@ class AdEMAMixConstants(NamedTuple):
     slow_bound: torch.Tensor
 
 
+class AdEMAMixKernelConstants(NamedTuple):
+    """``ademamix_kernel_update``'s constants (Python floats), in the order it unpacks them."""
+
+    lr: float
+    decay: float  # 1 - lr * weight_decay
+    beta1: float
+    one_minus_beta1: float
+    beta3: float  # scheduled
+    one_minus_beta3: float
+    beta2: float
+    one_minus_beta2: float
+    alpha: float  # scheduled
+    inv_bias_correction1: float
+    inv_bias_correction2_sqrt: float
+    eps: float
+    fast_bound: float
+    slow_bound: float
+
+
 def scheduled_alpha(alpha, t_alpha, step):
     """The paper's linear warm-up of ``alpha`` over ``t_alpha`` steps (``t_alpha = 0``: off)."""
     return torch.where(t_alpha > 0, torch.minimum(step * alpha / t_alpha, alpha), alpha)
@@ -81,11 +112,43 @@ def _check_schedule_length(name: str, value) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (None or an int > 0 is needed)")
 
 
+if triton is not None:
+    from lowbit_optim.step.math import approx_divide
+
+    @triton.jit
+    def _clamp(ratio, bound):
+        # NaN kept, as torch's clamp keeps it. (The enum is spelled out in each call: a local
+        # holding it becomes a tensor when compiled.)
+        ratio = tl.maximum(ratio, -bound, propagate_nan=tl.PropagateNan.ALL)
+        return tl.minimum(ratio, bound, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def ademamix_kernel_update(param, grad, moments, constants, VARIANT: tl.constexpr,
+                               INTERPRETED: tl.constexpr):
+        """``AdEMAMixRule.update`` on float32 values, for the step kernel
+        (``step.kernels.step_kernel``); ``constants``: ``AdEMAMixKernelConstants``."""
+        (lr, decay, beta1, one_minus_beta1, beta3, one_minus_beta3, beta2, one_minus_beta2, alpha,
+         inv_bias_correction1, inv_bias_correction2_sqrt, eps, fast_bound, slow_bound) = constants
+        exp_avg, exp_avg_slow, exp_avg_sq = moments
+        new_exp_avg = exp_avg * beta1 + grad * one_minus_beta1
+        new_exp_avg_slow = exp_avg_slow * beta3 + grad * one_minus_beta3
+        # squared_gradient_term's order, ((1 - beta2) * g) * g.
+        new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
+        denom = tl.fma(tl.sqrt(new_exp_avg_sq), inv_bias_correction2_sqrt, eps)
+        fast = _clamp(approx_divide(new_exp_avg, denom, INTERPRETED), fast_bound) * inv_bias_correction1
+        slow = _clamp(approx_divide(new_exp_avg_slow, denom, INTERPRETED), slow_bound)
+        new_param = param * decay - lr * (fast + alpha * slow)
+        return new_param, (new_exp_avg, new_exp_avg_slow, new_exp_avg_sq)
+else:
+    ademamix_kernel_update = None
+
+
 class AdEMAMixRule(UpdateRule):
     name = "ademamix"
     moments = (MomentSpec("exp_avg", signed=True), MomentSpec("exp_avg_slow", signed=True),
                MomentSpec("exp_avg_sq", signed=False))
     scalar_names = ("lr", "beta1", "beta2", "beta3", "alpha", "eps", "weight_decay", "t_alpha", "t_beta3")
+    kernel_update = ademamix_kernel_update
     cpu_functor = "ademamix"  # step/csrc/rules/ademamix.h
 
     def check_hyperparameters(self, group: dict) -> None:
@@ -140,6 +203,18 @@ class AdEMAMixRule(UpdateRule):
         slow = (new_exp_avg_slow / denom).clamp(-c.slow_bound, c.slow_bound)
         new_param = param * (1 - c.lr * c.weight_decay) - c.lr * (fast + c.alpha * slow)
         return new_param, (new_exp_avg, new_exp_avg_slow, new_exp_avg_sq)
+
+    def kernel_constants(self, constants: AdEMAMixConstants) -> AdEMAMixKernelConstants:
+        """``ademamix_kernel_update``'s constants, formed in float64 from ``step_constants``'
+        0-d tensors as ``update`` forms them (the kernel rounds each to float32, as torch
+        rounds a 0-d double operand), with the two bias corrections as reciprocals."""
+        c = AdEMAMixConstants(*(float(value) for value in constants))
+        return AdEMAMixKernelConstants(
+            lr=c.lr, decay=1 - c.lr * c.weight_decay, beta1=c.beta1, one_minus_beta1=1 - c.beta1,
+            beta3=c.beta3, one_minus_beta3=1 - c.beta3, beta2=c.beta2, one_minus_beta2=1 - c.beta2,
+            alpha=c.alpha, inv_bias_correction1=1 / c.bias_correction1,
+            inv_bias_correction2_sqrt=1 / c.bias_correction2_sqrt, eps=c.eps, fast_bound=c.fast_bound,
+            slow_bound=c.slow_bound)
 
 
 ADEMAMIX = AdEMAMixRule()

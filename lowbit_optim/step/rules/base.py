@@ -17,10 +17,14 @@ optimizer class steps through (``functional.step_params``).
 
 Everything else is generic over the rule (``rule_step``: the shared policies, quantized and
 float moments, master weights, chunking; the optimizer base, checkpoints, FSDP2, offload,
-the HF integration, ``state_bytes``). A rule with kernels of its own (AdamW: Triton, C++)
-overrides ``plan``. A rule whose element-wise math also exists as a functor of the C++ CPU
-kernel names it in ``cpu_functor`` (``step/csrc/rules/<name>.h``, ``cpu_kernel.RULE_FUNCTORS``):
-``backend="cpu"`` then steps its quantized parameters there.
+the HF integration, ``state_bytes``). For the Triton step kernel a rule supplies its math a
+second time, as the element-wise piece the kernel plugs between decoding and encoding the
+moments (``kernel_update``, a ``@triton.jit`` function defined where Triton is installed) and
+the per-step constants that piece reads (``kernel_constants``); the kernel applies the shared
+policies (``step.kernels.step_kernel``). For the C++ CPU kernel the piece is a functor, named
+in ``cpu_functor`` (``step/csrc/rules/<name>.h``, reading ``step_constants``' fields; the
+kernel applies the shared policies, ``step/csrc/cpu_step_kernel.h``). AdamW, with kernels of
+its own plans (Triton, C++), overrides ``plan``.
 """
 
 from typing import NamedTuple
@@ -46,6 +50,10 @@ class UpdateRule:
     name: str
     moments: tuple[MomentSpec, ...]
     scalar_names: tuple[str, ...]
+    # The Triton kernel's element-wise piece: ``(param, grad, moments, constants, VARIANT,
+    # INTERPRETED) -> (new_param, new_moments)`` on float32 values, ``constants`` from
+    # ``kernel_constants``. ``None``: the rule steps through the compiled step on every backend.
+    kernel_update = None
     # The C++ CPU kernel's functor of this rule (a key of ``cpu_kernel.RULE_FUNCTORS``; it reads
     # ``step_constants``' fields in order), or None: the compiled step serves ``backend="cpu"``.
     cpu_functor: str | None = None
@@ -84,6 +92,11 @@ class UpdateRule:
 
     def update(self, param, grad, moments: tuple, constants):
         """``(new_param, new_moments)``; ``grad`` is finite (the shared policy zeroed the rest)."""
+        raise NotImplementedError
+
+    def kernel_constants(self, constants) -> tuple[float, ...]:
+        """``kernel_update``'s constants (Python floats, a NamedTuple in the order the piece
+        unpacks them) from ``step_constants``' 0-d tensors."""
         raise NotImplementedError
 
     def plan(self, entries: list[RuleEntry], backend: str, params: list[torch.Tensor]):

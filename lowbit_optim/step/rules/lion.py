@@ -9,11 +9,21 @@ in the operation order of ``bitsandbytes.optim.Lion`` and lucidrains' ``lion-pyt
 (decay, then the signed step, then the moment). Every move is exactly ``lr`` (or 0) per
 element besides the decay, so no ratio bound is needed: a quantized moment changes only
 which sign an element takes, never how far it moves.
+
+``lion_kernel_update`` is the same math as the Triton step kernel's element-wise piece (defined
+where Triton is installed), operation for operation as ``LionRule.update``, so the kernel's
+parameters and block scales are the compiled step's bit for bit.
 """
 
 from typing import NamedTuple
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: without it the rule has no kernel piece
+    triton = None
 
 from lowbit_optim.step.functional import StepCache, step_params
 from lowbit_optim.step.hyperparams import StepOptions, check_betas, check_learning_rate, check_nonnegative
@@ -27,10 +37,37 @@ class LionConstants(NamedTuple):
     weight_decay: torch.Tensor
 
 
+class LionKernelConstants(NamedTuple):
+    """``lion_kernel_update``'s constants (Python floats), in the order it unpacks them."""
+
+    lr: float
+    decay: float  # 1 - lr * weight_decay
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+
+
+if triton is not None:
+    @triton.jit
+    def lion_kernel_update(param, grad, moments, constants, VARIANT: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``LionRule.update`` on float32 values, for the step kernel (``step.kernels.step_kernel``);
+        ``constants``: ``LionKernelConstants``."""
+        lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2 = constants
+        (exp_avg,) = moments
+        interpolated = exp_avg * beta1 + grad * one_minus_beta1
+        direction = tl.where(interpolated > 0, 1.0, tl.where(interpolated < 0, -1.0, 0.0))
+        new_param = param * decay - lr * direction
+        return new_param, (exp_avg * beta2 + grad * one_minus_beta2,)
+else:
+    lion_kernel_update = None
+
+
 class LionRule(UpdateRule):
     name = "lion"
     moments = (MomentSpec("exp_avg", signed=True),)
     scalar_names = LionConstants._fields
+    kernel_update = lion_kernel_update
     cpu_functor = "lion"  # step/csrc/rules/lion.h
 
     def check_hyperparameters(self, group: dict) -> None:
@@ -58,6 +95,14 @@ class LionRule(UpdateRule):
         direction = (exp_avg * beta1 + grad * (1 - beta1)).sign()
         new_param = param * (1 - lr * weight_decay) - lr * direction
         return new_param, (exp_avg * beta2 + grad * (1 - beta2),)
+
+    def kernel_constants(self, constants: LionConstants) -> LionKernelConstants:
+        """``lion_kernel_update``'s constants, formed in float64 as ``update`` forms them from
+        its 0-d tensors (the kernel rounds each to float32, as torch rounds a 0-d double
+        operand; ``lr`` is float32 already)."""
+        lr, beta1, beta2, weight_decay = (float(value) for value in constants)
+        return LionKernelConstants(lr=lr, decay=1 - lr * weight_decay, beta1=beta1, one_minus_beta1=1 - beta1,
+                                   beta2=beta2, one_minus_beta2=1 - beta2)
 
 
 LION = LionRule()
