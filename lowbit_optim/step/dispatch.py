@@ -154,8 +154,7 @@ class AdamWPlan:
         if self.triton is not None:
             triton_grads = grads if len(self.triton_indices) == len(grads) else [
                 grads[i] for i in self.triton_indices]
-            self.triton.run(triton_grads, lr, beta1, beta2, eps, weight_decay, **flags,
-                            rounding_stream=options.rounding_stream)
+            self.triton.run(triton_grads, hyper, options)
 
 
 def _adamw_moment_count(entry: ParamStep) -> int:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lowbit_optim.formats.catalog import get_format
 from lowbit_optim.step.chunks import ParamStep
+from lowbit_optim.step.hyperparams import StepOptions
 from lowbit_optim.step.kernels import launcher
 from lowbit_optim.step.kernels.group_plan import (
     KernelEntry,
@@ -26,7 +27,7 @@ from lowbit_optim.step.kernels.group_plan import (
     host_float,
     kind_seed,
 )
-from lowbit_optim.step.math import ADAMW_L2_DECAY, adamw_kernel_constants, adamw_kernel_update
+from lowbit_optim.step.math import ADAMW_L2_DECAY, StepScalars, adamw_kernel_constants, adamw_kernel_update
 
 # The op's schema (torch.library.custom_op refuses keyword-only tensors, so it is defined from
 # its schema). Each moment list holds every parameter's codes and scales in turn:
@@ -143,19 +144,21 @@ class StepGroupPlan(KernelGroupPlan):
     def __init__(self, entries: list[tuple]):
         super().__init__([_kernel_entry(ParamStep(*entry)) for entry in entries])
 
-    def run(self, grads: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
-            weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
-            rounding_stream: int | None = None, decoupled_weight_decay: bool = True) -> None:
-        """``step_group``'s step with these gradients (see there for the arguments)."""
-        hyper = [host_float(n, v) for n, v in zip(("lr", "beta1", "beta2", "eps", "weight_decay"),
-                                                  (lr, beta1, beta2, eps, weight_decay))]
-        update = adamw_update(decoupled_weight_decay, hyper[4])
+    def run(self, grads: list[Tensor], hyper, options: StepOptions) -> None:
+        """``step_group``'s step with these gradients: ``hyper`` the group's hyperparameters
+        (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``: 0-d tensors or numbers, as
+        ``hyperparams.GroupScalars`` holds them), ``options`` its flags."""
+        values = [host_float(name, getattr(hyper, name)) for name in _HYPERPARAMETERS]
+        update = adamw_update(options.decoupled_weight_decay, values[4])
 
         def constants_of(step: Tensor):
-            return adamw_kernel_constants(*hyper, host_float("step", step), l2_decay=bool(update.variant))
+            return adamw_kernel_constants(*values, host_float("step", step), l2_decay=bool(update.variant))
 
-        super().run(grads, constants_of, update=update, maximize=maximize, stochastic_round=stochastic_round,
-                    rounding_stream=rounding_stream)
+        super().run(grads, constants_of, update=update, maximize=options.maximize,
+                    stochastic_round=options.stochastic_round, rounding_stream=options.rounding_stream)
+
+
+_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 
 def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
@@ -185,8 +188,8 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
                    decoupled_weight_decay=decoupled_weight_decay)
     plan = StepGroupPlan(entries)
     if not torch.compiler.is_compiling():
-        plan.run([e.grad for e in entries], lr, beta1, beta2, eps, weight_decay,
-                 rounding_stream=rounding_stream, **options)
+        plan.run([e.grad for e in entries], StepScalars(lr, beta1, beta2, eps, weight_decay, None),
+                 StepOptions(**options, rounding_stream=rounding_stream))
         return
     for index, kind in enumerate(plan.kinds):
         kind_entries = entries if kind.indices is None else [entries[i] for i in kind.indices]
