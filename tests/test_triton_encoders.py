@@ -2,7 +2,7 @@
 
 Encoding is a comparison, so the kernel must give exactly ``codec.encode``'s code for every
 normalised value, ties at bin edges included (the 8-bit cell tables' argument is in
-``lowbit_optim/step/kernels/top_bits.py``). ``encode_normalized`` runs the kernel's own encoder
+``lowbit_optim/formats/cell_tables.py``). ``encode_normalized`` runs the kernel's own encoder
 (``moment_codes.encode``): under the interpreter here, compiled in tests/test_cuda.py.
 """
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from lowbit_optim.formats import cell_tables  # noqa: E402
 from lowbit_optim.formats.catalog import FORMATS  # noqa: E402
 from lowbit_optim.step import kernels  # noqa: E402
-from lowbit_optim.step.kernels import top_bits  # noqa: E402
 
 ONE_BITS = 0x3F800000
 
@@ -28,9 +28,9 @@ def hard_values(fmt) -> torch.Tensor:
     """Magnitudes where an encoder can go wrong, then each with both signs, and the specials."""
     table = fmt.table.float()
     midpoints = (table[1:] + table[:-1]) / 2
-    cell_starts = torch.tensor([2.0**binade * (1 + k / 2**top_bits.INDEX_BITS)
-                                for binade in range(top_bits.FLOOR_BINADE - 1, 1)
-                                for k in range(2**top_bits.INDEX_BITS)])
+    cell_starts = torch.tensor([2.0**binade * (1 + k / 2**cell_tables.INDEX_BITS)
+                                for binade in range(cell_tables.FLOOR_BINADE - 1, 1)
+                                for k in range(2**cell_tables.INDEX_BITS)])
     powers_of_ten = torch.tensor([10.0**-k for k in range(10)])
     zero_free_edge = torch.tensor([getattr(fmt.codec, "first_edge", 0.0)])
     magnitudes = torch.cat([
@@ -93,13 +93,13 @@ def test_cell_tables_have_one_edge_per_cell(name):
     at most, nothing below the floor), and the sign handling is the codec's: the table builder
     refuses a format otherwise."""
     fmt = FORMATS[name]
-    words, sign = top_bits.cell_words(fmt.codec.encode, name)
-    expected_sign = {"dynamic8-signed": top_bits.SIGNED, "float8-e4m3": top_bits.SIGNED_ZERO,
-                     "dynamic8-unsigned": top_bits.ABS}.get(name, top_bits.CLAMPED)
+    words, sign = cell_tables.cell_words(fmt.codec.encode, name)
+    expected_sign = {"dynamic8-signed": cell_tables.SIGNED, "float8-e4m3": cell_tables.SIGNED_ZERO,
+                     "dynamic8-unsigned": cell_tables.ABS}.get(name, cell_tables.CLAMPED)
     assert sign == expected_sign
-    halves = 2 if sign in (top_bits.SIGNED, top_bits.SIGNED_ZERO) else 1
-    assert words.numel() == (top_bits.SIGNED_POSITIVE_START + top_bits.CELLS_PER_HALF
-                             if halves == 2 else top_bits.CELLS_PER_HALF)
+    halves = 2 if sign in (cell_tables.SIGNED, cell_tables.SIGNED_ZERO) else 1
+    assert words.numel() == (cell_tables.SIGNED_POSITIVE_START + cell_tables.CELLS_PER_HALF
+                             if halves == 2 else cell_tables.CELLS_PER_HALF)
 
 
 def test_cell_table_refuses_edges_closer_than_a_cell():
@@ -108,4 +108,4 @@ def test_cell_table_refuses_edges_closer_than_a_cell():
     def fine(values):  # two edges 2**-10 apart in [0.5, 1), whose cells are 2**-8 wide
         return (values > 0.5 + 2**-9).to(torch.uint8) + (values > 0.5 + 2**-8 - 2**-10).to(torch.uint8)
     with pytest.raises(ValueError, match="more than one bin edge"):
-        top_bits.cell_words(fine, "fine")
+        cell_tables.cell_words(fine, "fine")

@@ -29,7 +29,7 @@ decade, a sum of 15 comparisons): ``tests/test_formats.py`` checks this against 
 formulation on every float32 within 3000 ulps of a code, a midpoint or a power of ten and on
 a sample of all of [-1, 1] (and it was checked once on every 61st float32 in [-1, 1]), so
 stored states, checkpoints and the Triton kernel (whose 8-bit encoders are tables built from
-these codecs, ``lowbit_optim/step/kernels/top_bits.py``) agree code for code.
+these codecs, ``lowbit_optim/formats/cell_tables.py``) agree code for code.
 
 Rounding is to the nearest code. The 16-entry encoders are exact (the midpoints are float32
 numbers; for the linear map see ``LinearNonzeroCodec``). The interior bin edges of the

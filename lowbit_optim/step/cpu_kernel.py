@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from lowbit_optim.formats import codecs
+from lowbit_optim.formats import cell_tables, codecs
 from lowbit_optim.formats.catalog import QuantFormat
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
@@ -49,10 +49,15 @@ MAX_BLOCK_SIZE = 2048
 # ``cpu_functor``: cpu_step_args.h's RuleId.
 RULE_FUNCTORS = {"adamw": 0, "lion": 1, "ademamix": 2}
 
-# cpu_step_args.h's StateKind and Encoder.
+# cpu_step_args.h's StateKind, Encoder and CellSign.
 _KIND = {4: 1, 8: 0}
-_SMALL_TABLE, _LINEAR16, _E4M3, _DYNAMIC_SIGNED, _DYNAMIC_UNSIGNED = 2, 3, 4, 0, 1
-ENCODER_FLOATS = 86
+_CELLS, _SMALL_TABLE, _LINEAR16, _E4M3 = 0, 1, 2, 3
+_CELL_SIGNS = {cell_tables.CLAMPED: 0, cell_tables.ABS: 1, cell_tables.SIGNED: 2}
+ENCODER_FLOATS = 20
+# cpu_step_kernel.h's cell layout constants are these.
+if (cell_tables.INDEX_BITS, cell_tables.FLOOR_BINADE, cell_tables.SIGNED_POSITIVE_START) != (7, -23, 1 << 15):
+    raise ImportError("lowbit_optim.formats.cell_tables' layout changed: "
+                      "update csrc/cpu_step_kernel.h's kCell* constants")
 
 
 def source_hash() -> str:
@@ -126,55 +131,67 @@ def _f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def encoder_constants(codec) -> list[float]:
-    """``cpu_step_args.h``'s ``EncoderConstants`` of a codec, as float32 values."""
-    zero_free, first_edge = 0.0, 0.0
-    if isinstance(codec, codecs.ZeroFreeCodec):
-        zero_free, first_edge, codec = 1.0, _f32(codec.first_edge), codec.inner
-    inf = float("inf")
-    midpoints, starts, shifts, counts, lowers = [inf] * 16, [inf] * 16, [0.0] * 16, [0.0] * 16, [0.0] * 16
-    upper = max_rank = zero_code = 0.0
-    if isinstance(codec, codecs.LinearNonzeroCodec):
-        if codec.table.numel() != 16:
-            raise ValueError("the CPU kernel's linear encoder is for 16 levels")
-        encoder = _LINEAR16
-    elif isinstance(codec, codecs.SmallTableCodec):
-        encoder = _SMALL_TABLE
-        midpoints[:len(codec._midpoints)] = [_f32(m) for m in codec._midpoints]
-    elif isinstance(codec, codecs.Float8Codec):
-        encoder = _E4M3
-    elif isinstance(codec, codecs.DynamicExponentCodec):
-        encoder = _DYNAMIC_SIGNED if codec.signed else _DYNAMIC_UNSIGNED
-        decades = codec.exponent_bits
-        starts[:decades - 1] = [_f32(s) for s in codec._decade_starts]
-        shifts[:decades] = [_f32(s) for s in codec._shifts]
-        counts[:decades] = [float(c) for c in codec._counts]
-        lowers[:decades] = [_f32(m) for m in codec._lower_midpoints]
-        upper = _f32(codec._upper_midpoint)
-        max_rank, zero_code = float(codec._max_rank), float(codec._zero_code)
+@functools.cache
+def _cells(codec) -> tuple[torch.Tensor, int]:
+    """(cell words, sign handling) of a codec, built once per process (~30 ms)."""
+    return cell_tables.cell_words(codec.encode, type(codec).__name__)
+
+
+def _encodes_by_cells(codec) -> bool:
+    """The 8-bit dynamic maps (zero-free or not) encode through their cell table: one gather
+    and one comparison per value instead of the codec's arithmetic, which divides (AdamW8bit's
+    step 32.9 -> 22.5 ms, docs/cpu_kernel.md). float8 keeps its bit arithmetic, as fast as a
+    gather here (22.0 against 21.2 ms), and the 4-bit maps their 15-midpoint search."""
+    inner = codec.inner if isinstance(codec, codecs.ZeroFreeCodec) else codec
+    return isinstance(inner, codecs.DynamicExponentCodec)
+
+
+def encoder_constants(codec) -> tuple[list[float], torch.Tensor]:
+    """``cpu_step_args.h``'s ``EncoderConstants`` of a codec, as float32 values, and its cell
+    table (one unused word where it encodes otherwise)."""
+    zero_free, first_edge, cells, cell_sign = 0.0, 0.0, torch.zeros(1, dtype=torch.int32), 0.0
+    midpoints = [float("inf")] * 16
+    if _encodes_by_cells(codec):
+        words, sign = _cells(codec)
+        if sign not in _CELL_SIGNS:
+            raise ValueError(f"the CPU kernel has no cell encoder for {type(codec).__name__}'s signs")
+        encoder, cells, cell_sign = _CELLS, words, float(_CELL_SIGNS[sign])
     else:
-        raise ValueError(f"the CPU kernel has no encoder for {type(codec).__name__}")
-    values = [float(encoder), zero_free, first_edge, *midpoints, *starts, *shifts, *counts, *lowers,
-              upper, max_rank, zero_code]
+        if isinstance(codec, codecs.ZeroFreeCodec):
+            zero_free, first_edge, codec = 1.0, _f32(codec.first_edge), codec.inner
+        if isinstance(codec, codecs.LinearNonzeroCodec):
+            if codec.table.numel() != 16:
+                raise ValueError("the CPU kernel's linear encoder is for 16 levels")
+            encoder = _LINEAR16
+        elif isinstance(codec, codecs.SmallTableCodec):
+            encoder = _SMALL_TABLE
+            midpoints[:len(codec._midpoints)] = [_f32(m) for m in codec._midpoints]
+        elif isinstance(codec, codecs.Float8Codec):
+            encoder = _E4M3
+        else:
+            raise ValueError(f"the CPU kernel has no encoder for {type(codec).__name__}")
+    values = [float(encoder), zero_free, first_edge, *midpoints, cell_sign]
     assert len(values) == ENCODER_FLOATS
-    return values
+    return values, cells
 
 
 class FormatConstants(NamedTuple):
     """What the kernel reads of a rule's moment formats: the state kind, each moment's decode
-    table and its encoder's constants (one row per moment)."""
+    table, its encoder's constants (one row per moment) and its cell table."""
 
     kind: int
     tables: list[torch.Tensor]
     encoders: torch.Tensor
+    cells: list[torch.Tensor]
 
 
 @functools.cache
 def format_constants(formats: tuple[QuantFormat, ...]) -> FormatConstants:
     """``FormatConstants`` of a rule's moment formats (in its moment order), made once."""
-    encoders = torch.tensor([encoder_constants(fmt.codec) for fmt in formats], dtype=torch.float32)
+    constants = [encoder_constants(fmt.codec) for fmt in formats]
+    encoders = torch.tensor([values for values, _ in constants], dtype=torch.float32)
     tables = [fmt.table.to(torch.float32).contiguous() for fmt in formats]
-    return FormatConstants(_KIND[formats[0].bits], tables, encoders)
+    return FormatConstants(_KIND[formats[0].bits], tables, encoders, [cells for _, cells in constants])
 
 
 def supports(formats: tuple[QuantFormat, ...], block_size: int, param: torch.Tensor,
@@ -231,8 +248,8 @@ def cpu_rule_step(param, grad, moments: tuple, values: list[torch.Tensor], *, fu
     torch.ops.lowbit_optim.cpu_rule_step(
         contiguous[0], grad.detach().contiguous(), [m.codes for m in moments], [m.scales for m in moments],
         None if weight_correction is None else contiguous[1], constants.tables, constants.encoders,
-        values, RULE_FUNCTORS[functor], constants.kind, moments[0].block_size, options.maximize,
-        options.stochastic_round, ISAS[options.isa or default_isa()],
+        constants.cells, values, RULE_FUNCTORS[functor], constants.kind, moments[0].block_size,
+        options.maximize, options.stochastic_round, ISAS[options.isa or default_isa()],
     )
     for work, copy in zip(works, contiguous):
         if copy is not work:

@@ -8,7 +8,10 @@ namespace lowbit_cpu {
 
 enum ParamDtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum StateKind : int32_t { kDynamic8 = 0, kNibble4 = 1, kFloat8 = 2 };
-enum Encoder : int32_t { kDynamicSigned = 0, kDynamicUnsigned = 1, kSmallTable = 2, kLinear16 = 3, kE4M3 = 4 };
+enum Encoder : int32_t { kCells = 0, kSmallTable = 1, kLinear16 = 2, kE4M3 = 3 };
+// How a cell table (kCells, lowbit_optim/formats/cell_tables.py) reads negative values: as 0
+// (zero-free maps), as their magnitude, or from a half of cells of their own.
+enum CellSign : int32_t { kCellsClamped = 0, kCellsAbs = 1, kCellsSigned = 2 };
 
 // The constants of one moment's encoder, all float32 values exactly as the reference
 // encoders (lowbit_optim/formats/codecs.py) compare and compute with them: Python numbers meet
@@ -18,14 +21,8 @@ struct EncoderConstants {
   int32_t zero_free;       // codes below first_edge become 0 first (ZeroFreeCodec)
   float first_edge;
   float midpoints[16];     // kSmallTable: its 15 ascending midpoints, then +inf
-  // kDynamic*: index d = the number of decade starts a magnitude reaches (0..6)
-  float decade_starts[16]; // 6 used
-  float shifts[16];
-  float counts[16];
-  float lower_midpoints[16];
-  float upper_midpoint;
-  float max_rank;
-  float zero_code;
+  int32_t cell_sign;       // kCells: CellSign
+  const int32_t* cells;    // kCells: the format's cell words (cell_tables.cell_words)
 };
 
 // The update rules the kernel steps, each a functor in rules/<name>.h (cpu_step_kernel.h

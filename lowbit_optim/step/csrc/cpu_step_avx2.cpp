@@ -63,6 +63,7 @@ struct Primitives {
     return _mm256_blendv_ps(low, high, as_float(_mm256_slli_epi32(index, 28)));  // bit 3 -> sign
   }
   static inline F gather256(const float* table, I index) { return _mm256_i32gather_ps(table, index, 4); }
+  static inline I gather_i32(const int32_t* table, I index) { return _mm256_i32gather_epi32(table, index, 4); }
   static inline I load_u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }

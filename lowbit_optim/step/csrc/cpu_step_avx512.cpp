@@ -61,6 +61,7 @@ struct Primitives {
   static inline I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   static inline F lookup16(const float* table, I index) { return _mm512_permutexvar_ps(index, _mm512_loadu_ps(table)); }
   static inline F gather256(const float* table, I index) { return _mm512_i32gather_ps(index, table, 4); }
+  static inline I gather_i32(const int32_t* table, I index) { return _mm512_i32gather_epi32(index, table, 4); }
   static inline I load_u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

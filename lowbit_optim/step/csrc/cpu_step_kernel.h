@@ -43,6 +43,17 @@ using M = typename V::M;
 constexpr int W = V::W;
 constexpr int kMaxBlock = 2048;
 
+// The cell tables' layout (lowbit_optim/formats/cell_tables.py, checked against it by
+// cpu_kernel.py): binades 2**-23 .. 2**-1 in 2**7 cells each and 1.0 itself; a float's bits
+// shifted right by 23 - 7 index its cell, counted from the floor's; a signed table's positive
+// half starts 2**15 cells in.
+constexpr float kCellFloor = 0x1p-23f;
+constexpr int kCellShift = 23 - 7;
+constexpr int32_t kCellFirst = (127 - 23) << 7;
+constexpr int32_t kCellPositiveStart = (1 << 15) - kCellFirst;
+// Shifting out the sign, the 8 exponent bits and the 7 index bits leaves the position in the cell.
+constexpr int kCellPositionShift = 1 + 8 + 7;
+
 // Encode normalised values in [-1, 1] (NaN already 0) exactly as the reference codecs do.
 inline I encode(const EncoderConstants& c, F n) {
   if (c.zero_free) n = V::select(V::lt(n, V::set1(c.first_edge)), V::set1(0.0f), n);
@@ -73,27 +84,34 @@ inline I encode(const EncoderConstants& c, F n) {
       I subnormal = V::isub(V::bits(V::add(V::abs(y), V::set1(16384.0f))), V::set1i(0x46800000));
       return V::ior(V::iselect(V::ilt(magnitude, V::set1i(0x3C800000)), subnormal, normal), sign);
     }
-    default: {  // kDynamicSigned, kDynamicUnsigned: DynamicExponentCodec, step for step
-      F magnitude = V::abs(n);
-      I decade = V::set1i(0);
-      for (int d = 0; d < 6; ++d)
-        decade = V::iadd_if(V::ge(magnitude, V::set1(c.decade_starts[d])), decade);
-      F shift = V::lookup16(c.shifts, decade);
-      F count = V::lookup16(c.counts, decade);
-      F lower = V::lookup16(c.lower_midpoints, decade);
-      const bool is_signed = c.encoder == kDynamicSigned;
-      F first = V::sub(count, V::set1(is_signed ? 1.0f : 2.0f));
-      F position = V::floor(V::div(V::mul(V::sub(V::mul(magnitude, shift), V::set1(0.1f)), count),
-                                   V::set1(0.9f)));
-      F rank = V::add(first, V::min(V::max(position, V::set1(0.0f)), V::sub(count, V::set1(1.0f))));
-      rank = V::select(V::lt(magnitude, lower), V::sub(first, V::set1(1.0f)), rank);
-      rank = V::select(V::ge(magnitude, V::set1(c.upper_midpoint)), V::set1(c.max_rank), rank);
-      if (!is_signed) return V::f2i(V::add(rank, V::set1(c.zero_code + 1.0f)));
-      F negative_rank = V::min(rank, V::set1(c.max_rank - 1.0f));
-      F positive_code = V::add(V::set1(c.zero_code + 1.0f), rank);
-      F negative_code = V::sub(V::sub(V::set1(c.zero_code), V::set1(1.0f)), negative_rank);
-      return V::f2i(V::select(V::ge(n, V::set1(0.0f)), positive_code, negative_code));
+    case kCells: {
+      // The code from the value's top bits (lowbit_optim/formats/cell_tables.py has the
+      // argument: each codec is monotone on either sign, so a cell of 2**-7 of a binade holds
+      // at most one bin edge, whose position the cell's word records with the codes on either
+      // side). Integer operations only, so the code is the codec's exactly. n is normalised
+      // (no NaN, within [-1, 1]); the clamp to the floor puts 0 and values below every edge
+      // on the first cell.
+      F magnitude = c.cell_sign == kCellsClamped ? n : V::abs(n);
+      magnitude = V::min(V::max(magnitude, V::set1(kCellFloor)), V::set1(1.0f));
+      I bits = V::bits(magnitude);
+      I cell;
+      if (c.cell_sign == kCellsSigned) {
+        // n's sign bit on the magnitude becomes the index's bit 15: the negative half sits
+        // 2**15 cells below the positive one.
+        I with_sign = V::ior(bits, V::iand(V::bits(n), V::set1i(INT32_MIN)));
+        cell = V::iadd(V::sra(with_sign, kCellShift), V::set1i(kCellPositiveStart));
+      } else {
+        cell = V::isub(V::srl(bits, kCellShift), V::set1i(kCellFirst));
+      }
+      I word = V::gather_i32(c.cells, cell);
+      // The position in the cell above the word's two code bytes: position > edge (unsigned,
+      // by flipping both sign bits) picks the code past the edge.
+      I position = V::sll(bits, kCellPositionShift);
+      M past = V::ilt(V::ixor(word, V::set1i(INT32_MIN)), V::ixor(position, V::set1i(INT32_MIN)));
+      return V::iand(V::iselect(past, V::srl(word, 8), word), V::set1i(0xFF));
     }
+    default:
+      return V::set1i(0);  // unreachable: the operator accepts only the encoders above
   }
 }
 

@@ -18,7 +18,10 @@ namespace lowbit_cpu {
 namespace {
 
 constexpr int64_t kMaxBlockSize = 2048;  // cpu_step_kernel.h's kMaxBlock
-constexpr int64_t kEncoderFloats = 86;   // EncoderConstants as float32 values (cpu_kernel.py)
+constexpr int64_t kEncoderFloats = 20;   // EncoderConstants as float32 values (cpu_kernel.py)
+// A cell table's words: one half of cells, or two halves 2**15 cells apart (cell_tables.py).
+constexpr int64_t kCellsPerHalf = 2945;
+constexpr int64_t kSignedCells = (int64_t{1} << 15) + kCellsPerHalf;
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -38,13 +41,8 @@ EncoderConstants read_encoder(const float* values) {
   c.zero_free = static_cast<int32_t>(values[1]);
   c.first_edge = values[2];
   std::memcpy(c.midpoints, values + 3, 16 * sizeof(float));
-  std::memcpy(c.decade_starts, values + 19, 16 * sizeof(float));
-  std::memcpy(c.shifts, values + 35, 16 * sizeof(float));
-  std::memcpy(c.counts, values + 51, 16 * sizeof(float));
-  std::memcpy(c.lower_midpoints, values + 67, 16 * sizeof(float));
-  c.upper_midpoint = values[83];
-  c.max_rank = values[84];
-  c.zero_code = values[85];
+  c.cell_sign = static_cast<int32_t>(values[19]);
+  c.cells = nullptr;
   return c;
 }
 
@@ -65,7 +63,7 @@ void check_block_state(const at::Tensor& codes, const at::Tensor& scales, int64_
 
 void cpu_rule_step(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
                    const c10::optional<at::Tensor>& weight_correction, at::TensorList tables,
-                   const at::Tensor& encoders, at::TensorList values, int64_t rule, int64_t kind,
+                   const at::Tensor& encoders, at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind,
                    int64_t block_size, bool maximize, bool stochastic_round, int64_t isa) {
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous(), "cpu_rule_step: param must be a contiguous CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.scalar_type() == param.scalar_type() &&
@@ -108,8 +106,19 @@ void cpu_rule_step(at::Tensor param, const at::Tensor& grad, at::TensorList code
   TORCH_CHECK(encoders.scalar_type() == at::kFloat && encoders.is_contiguous() &&
                   encoders.numel() == moment_count * kEncoderFloats,
               "cpu_rule_step: encoders must be (", moment_count, ", ", kEncoderFloats, ") float32");
-  for (int64_t m = 0; m < moment_count; ++m)
+  TORCH_CHECK(static_cast<int64_t>(cells.size()) == moment_count, "cpu_rule_step: one cell table per moment");
+  for (int64_t m = 0; m < moment_count; ++m) {
     a.encoders[m] = read_encoder(encoders.data_ptr<float>() + m * kEncoderFloats);
+    TORCH_CHECK(a.encoders[m].encoder >= kCells && a.encoders[m].encoder <= kE4M3, "cpu_rule_step: moment ", m,
+                "'s encoder ", a.encoders[m].encoder, " is unknown");
+    if (a.encoders[m].encoder != kCells) continue;
+    const int64_t words = a.encoders[m].cell_sign == kCellsSigned ? kSignedCells : kCellsPerHalf;
+    TORCH_CHECK(a.encoders[m].cell_sign >= kCellsClamped && a.encoders[m].cell_sign <= kCellsSigned,
+                "cpu_rule_step: moment ", m, "'s cell table reads signs as ", a.encoders[m].cell_sign);
+    TORCH_CHECK(cells[m].scalar_type() == at::kInt && cells[m].is_contiguous() && cells[m].numel() == words,
+                "cpu_rule_step: moment ", m, "'s cell table must be ", words, " contiguous int32 words");
+    a.encoders[m].cells = cells[m].data_ptr<int32_t>();
+  }
   for (size_t i = 0; i < values.size(); ++i) a.rule_values[i] = scalar_of(values[i]);
 
   a.param = param.data_ptr();
@@ -161,7 +170,8 @@ void cpu_rule_step(at::Tensor param, const at::Tensor& grad, at::TensorList code
 TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
   m.def(
       "cpu_rule_step(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, "
-      "Tensor(d!)? weight_correction, Tensor[] tables, Tensor encoders, Tensor[] values, int rule, int kind, "
+      "Tensor(d!)? weight_correction, Tensor[] tables, Tensor encoders, Tensor[] cells, Tensor[] values, int rule, "
+      "int kind, "
       "int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
 }
 

@@ -57,6 +57,7 @@ struct V {
   static inline I iota() { return 0; }
   static inline F lookup16(const float* table, I index) { return table[index]; }
   static inline F gather256(const float* table, I index) { return table[index]; }
+  static inline I gather_i32(const int32_t* table, I index) { return table[index]; }
   static inline I load_u8(const uint8_t* p) { return *p; }
   static inline void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
   static inline I load_u16(const uint16_t* p) { return *p; }

@@ -30,10 +30,10 @@ round-to-nearest):
     reference codec is a monotone function of ``x`` on either sign (each float32 operation in
     it rounds monotonically), so it is fixed by the floats where its code changes; the words
     are built from ``codec.encode`` itself by bisection over each cell's bit patterns
-    (``top_bits.cell_words``, which refuses a format with two edges in one cell or one below
+    (``cell_tables.cell_words``, which refuses a format with two edges in one cell or one below
     the floor), and the kernel forms the bits and compares them with integer operations
     only, so no rounding separates its code from the codec's. The numerical argument in full
-    is in ``lowbit_optim/step/kernels/top_bits.py``; tests/test_triton_encoders.py runs this
+    is in ``lowbit_optim/formats/cell_tables.py``; tests/test_triton_encoders.py runs this
     encoder against ``codec.encode`` on every float32 within 300 ulps of every table value
     and midpoint, at every cell boundary, on subnormals, NaN, +-inf, +-0 and a sample of all
     of [-1, 1]. The table is read with ``ld.global.nc`` (per element, L1-resident: 11.5 KB per
@@ -51,19 +51,20 @@ round-to-nearest):
 import triton
 import triton.language as tl
 
-from lowbit_optim.step.kernels import tables, top_bits
+from lowbit_optim.formats import cell_tables
+from lowbit_optim.step.kernels import tables
 
 _LINEAR = tl.constexpr(tables.LINEAR)
 _CELLS_CLAMPED = tl.constexpr(tables.CELLS_CLAMPED)
 _CELLS_ABS = tl.constexpr(tables.CELLS_ABS)
 _CELLS_SIGNED = tl.constexpr(tables.CELLS_SIGNED)
 _CELLS_SIGNED_ZERO = tl.constexpr(tables.CELLS_SIGNED_ZERO)
-# The cell tables' layout (lowbit_optim.step.kernels.top_bits).
-_CELL_FLOOR = tl.constexpr(2.0**top_bits.FLOOR_BINADE)
-_CELL_SHIFT = tl.constexpr(top_bits.MANTISSA_BITS - top_bits.INDEX_BITS)
-_CELL_FIRST = tl.constexpr((127 + top_bits.FLOOR_BINADE) << top_bits.INDEX_BITS)
-_CELL_POSITION_SHIFT = tl.constexpr(top_bits.INDEX_BITS + 9)
-_CELL_POSITIVE_START = tl.constexpr(top_bits.SIGNED_POSITIVE_START - _CELL_FIRST)
+# The cell tables' layout (lowbit_optim.formats.cell_tables).
+_CELL_FLOOR = tl.constexpr(2.0**cell_tables.FLOOR_BINADE)
+_CELL_SHIFT = tl.constexpr(cell_tables.MANTISSA_BITS - cell_tables.INDEX_BITS)
+_CELL_FIRST = tl.constexpr((127 + cell_tables.FLOOR_BINADE) << cell_tables.INDEX_BITS)
+_CELL_POSITION_SHIFT = tl.constexpr(cell_tables.INDEX_BITS + 9)
+_CELL_POSITIVE_START = tl.constexpr(cell_tables.SIGNED_POSITIVE_START - _CELL_FIRST)
 # Below this a block scale's reciprocal could overflow float32; such blocks are scaled by 2**64.
 _TINY_SCALE = tl.constexpr(2.0**-125)
 _TINY_FACTOR = tl.constexpr(2.0**64)
@@ -140,7 +141,7 @@ def _load_cell(table_ptr, index, INTERPRETED: tl.constexpr):
 @triton.jit
 def _encode_cells(normalized, cells_ptr, CODEC: tl.constexpr, INTERPRETED: tl.constexpr):
     """``codec.encode(normalized)`` of a table format, exactly, from its cell table
-    (``top_bits``, where the argument is): the magnitude clamped to [floor, 1] (max and min
+    (``formats.cell_tables``, where the argument is): the magnitude clamped to [floor, 1] (max and min
     drop NaN: it lands on the floor, the code of 0), its top bits index a cell, and the
     magnitude's position in the cell compared with the cell's edge picks one of the cell's two
     codes. 9 SASS instructions per value (10 signed, 11 with a signed zero). Only the low

@@ -6,24 +6,23 @@ import functools
 
 import torch
 
-from lowbit_optim.formats import maps
+from lowbit_optim.formats import cell_tables, maps
 from lowbit_optim.formats.catalog import QuantFormat
-from lowbit_optim.step.kernels import top_bits
 
 # The kernel's CODEC constexpr. LINEAR: (k + 1) / 2**bits, encoded and decoded by arithmetic.
-# Every other map encodes by its cell table (top_bits): CELLS_CLAMPED where negative values
+# Every other map encodes by its cell table (``formats.cell_tables``): CELLS_CLAMPED where negative values
 # encode as 0 does (zero-free maps), CELLS_ABS where -x encodes as x, CELLS_SIGNED with a half
 # of cells for negative values, CELLS_SIGNED_ZERO the same where -0.0 has a code of its own
 # (float8); all of them decode by a gather from the map's table.
 LINEAR, CELLS_CLAMPED, CELLS_ABS, CELLS_SIGNED, CELLS_SIGNED_ZERO = range(5)
-_CELL_KINDS = {top_bits.CLAMPED: CELLS_CLAMPED, top_bits.ABS: CELLS_ABS, top_bits.SIGNED: CELLS_SIGNED,
-               top_bits.SIGNED_ZERO: CELLS_SIGNED_ZERO}
+_CELL_KINDS = {cell_tables.CLAMPED: CELLS_CLAMPED, cell_tables.ABS: CELLS_ABS,
+               cell_tables.SIGNED: CELLS_SIGNED, cell_tables.SIGNED_ZERO: CELLS_SIGNED_ZERO}
 
 
 @functools.cache
 def _cells(fmt: QuantFormat) -> tuple[torch.Tensor, int]:
     """(cell words, kernel kind) of a table map, built once per process (0.1-2 s)."""
-    words, sign = top_bits.cell_words(fmt.codec.encode, fmt.name)
+    words, sign = cell_tables.cell_words(fmt.codec.encode, fmt.name)
     return words, _CELL_KINDS[sign]
 
 

@@ -1,8 +1,9 @@
-"""Cell tables for the Triton kernel's encoders: a code from the top bits of a float32.
+"""Cell tables for the kernels' encoders: a code from the top bits of a float32.
 
 A normalised value ``x`` in [-1, 1] must encode as ``codec.encode(x)`` of its format
 (``lowbit_optim.formats.codecs``), exactly: encoding is a comparison, ties included. The
-kernel (``moment_codes._encode_cells``) gets it without a search:
+Triton kernel (``step/kernels/moment_codes._encode_cells``) and the C++ CPU kernel (the
+8-bit dynamic maps, ``step/csrc/cpu_step_kernel.h``) get it without a search:
 
 1. The magnitude ``m`` (``|x|``, or ``x`` itself for a zero-free codec, below) is clamped to
    ``[2**FLOOR_BINADE, 1]`` by a max and a min: exact, and the max drops NaN, which lands on
@@ -111,10 +112,10 @@ def _half_words(encode, negative: bool, name: str) -> torch.Tensor:
     first, last = encode(_floats(start, negative)), encode(_floats(end, negative))
     if int((last - first).abs().max()) > 1:
         raise ValueError(f"format {name!r}: a cell of 2**-{INDEX_BITS} of a binade holds more than one "
-                         "bin edge; the Triton encoder needs more index bits for it")
+                         "bin edge; the cell encoders need more index bits for it")
     # The floor: x up to 2**FLOOR_BINADE (and NaN) encodes as 0 does.
     if int(first[0]) != int(encode(_floats(torch.zeros(1, dtype=torch.int64), negative))[0]):
-        raise ValueError(f"format {name!r} has a bin edge below 2**{FLOOR_BINADE}: the Triton encoder "
+        raise ValueError(f"format {name!r} has a bin edge below 2**{FLOOR_BINADE}: the cell encoders "
                          "clamps magnitudes there")
     change = _first_change(encode, start, end, negative)
     # The low bits of the last float with the first code; all ones where there is no edge.
