@@ -1,8 +1,9 @@
 """Optimizer step time: steady-state ms/step and first-step (compile) time, side by side.
 
-Workloads (``--model``), fp32 with fixed random gradients: ``linear10`` (default), 10 x
-``Linear(1024, 1024, bias=False)`` (10.49M parameters); ``square4096``, one 4096 x 4096
-parameter (16.8M); ``shapes12``, the 12 distinct shapes of ``bench_shapes.py`` (5.3M). Each
+Workloads (``--model``), fp32 (``--dtype bfloat16``: bf16) with fixed random gradients:
+``linear10`` (default), 10 x ``Linear(1024, 1024, bias=False)`` (10.49M parameters);
+``square4096``, one 4096 x 4096 parameter (16.8M); ``shapes12``, the 12 distinct shapes of
+``bench_shapes.py`` (5.3M). torch's fused AdamW keeps bf16 moments for bf16 parameters. Each
 optimizer runs in a fresh process so that its first step is what a user sees: nothing compiled
 in memory and, with ``--cache cold`` (default), an empty Inductor cache too. Prints a markdown
 table and writes JSON rows with versions and hardware.
@@ -51,11 +52,12 @@ MODELS = {
 }
 
 
-def measure(name: str, steps: int, warmup: int, model: str) -> dict:
+def measure(name: str, steps: int, warmup: int, model: str, dtype: str) -> dict:
     """Runs in the worker process: one optimizer, timed."""
     device = torch.device("cpu")
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape) / shape[-1] ** 0.5) for shape in MODELS[model][1]]
+    params = [torch.nn.Parameter((torch.randn(shape) / shape[-1] ** 0.5).to(getattr(torch, dtype)))
+              for shape in MODELS[model][1]]
     for param in params:
         param.grad = torch.randn_like(param) * 1e-3
     # betas explicit (torch's default): the Lion and AdEMAMix rows adapt them (harness._as_lion).
@@ -87,7 +89,8 @@ def measure(name: str, steps: int, warmup: int, model: str) -> dict:
 
 
 def run_isolated(name: str, args) -> dict:
-    worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model]
+    worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
+                   "--dtype", args.dtype]
     return harness.run_worker(__file__, worker_args, cold_cache=args.cache == "cold")
 
 
@@ -116,11 +119,13 @@ def main(argv=None) -> int:
                         "(default: as set, else torch's default)")
     parser.add_argument("--model", choices=sorted(MODELS), default="linear10",
                         help="the parameters stepped (module docstring; default linear10)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the parameters' dtype (bfloat16: rounded writes, no master weights)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out/bench_step.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker, args.steps, args.warmup, args.model)))
+        print(json.dumps(measure(args.worker, args.steps, args.warmup, args.model, args.dtype)))
         return 0
 
     if args.threads:
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
         row["cpu_vs_fused"] = row["cpu_ms"] / fused["cpu_ms"] if fused else None
     env = harness.environment(torch.device("cpu"))
     env["torch_threads"] = rows[0]["threads"]  # the workers' (OMP_NUM_THREADS), not this process's
-    config = {"model": MODELS[args.model][0], "steps": args.steps,
+    config = {"model": MODELS[args.model][0].replace("fp32", args.dtype), "steps": args.steps,
               "warmup": args.warmup, "cache": args.cache, "threads": rows[0]["threads"],
               "cpu_kernel_isa": cpu_kernel.default_isa()}
     harness.report(args.out, "step", rows, COLUMNS, env=env, config=config,
