@@ -10,6 +10,7 @@ checkpoint with another ``--nproc-per-node`` to reshard it (``--resume-only``).
 """
 
 import argparse
+import gc
 import os
 import tempfile
 
@@ -103,6 +104,13 @@ def main():
             raise SystemExit("the resumed run differs from the uninterrupted one")
     elif rank == 0:
         print(f"{args.optimizer}: resumed on {dist.get_world_size()} rank(s), loss {resumed_loss:.5f}")
+    # Gloo aborts a process ("terminate called without an active exception", seen once in CI)
+    # when objects holding its work (FSDP2's modules, their gradients) are freed after their
+    # process group is torn down, as locals are at interpreter exit (pytorch/pytorch#179291):
+    # free them first, and let every rank get here before any tears the group down.
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -23,5 +23,5 @@ def test_fsdp_example_resumes_identically(tmp_path, flags):
          str(ROOT / "examples" / "fsdp_train.py"), "--steps", "4", "--checkpoint", str(tmp_path / "ckpt"),
          *flags],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"stdout: {done.stdout[-1000:]}\nstderr: {done.stderr[-3000:]}"
     assert "identical: True" in done.stdout

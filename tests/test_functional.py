@@ -148,3 +148,20 @@ def test_new_state_takes_the_class_options():
     assert type(AdamW8bit.new_state(torch.randn(30))["exp_avg"]) is torch.Tensor  # small: float32
     with pytest.raises(ValueError, match="block_size"):
         AdamW8bit.new_state(weight, block_size=100)
+
+
+def test_a_refused_group_leaves_no_gradient_held_by_the_groups_before_it():
+    """The optimizer checks every group before stepping any; when a later group's gradient is
+    refused, the earlier groups' caches drop the gradient lists they had accepted (they
+    would otherwise keep those gradients' memory alive until the next step)."""
+    first, second = torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(64, 80))
+    optimizer = AdamW8bit([{"params": [first]}, {"params": [second]}], min_quant_size=MIN_QUANT_SIZE)
+    for param in (first, second):
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    first.grad = torch.randn_like(first)
+    second.grad.data = torch.ones(7)  # refused: another shape
+    with pytest.raises(RuntimeError, match="does not match its parameter"):
+        optimizer.step()
+    assert all(cache.checked_grads is None for cache in optimizer._caches)
+    assert float(optimizer.state[first]["step"]) == 1.0

@@ -486,7 +486,7 @@ def test_trainer_with_offload_gradients_and_max_grad_norm_clips_like_without_off
 
 # --- FSDP2's own CPU offload -------------------------------------------------------------
 FSDP2_CPU_OFFLOAD = textwrap.dedent("""
-    import os, torch, torch.distributed as dist
+    import gc, os, torch, torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from lowbit_optim import AdamW4bit
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
@@ -509,6 +509,10 @@ FSDP2_CPU_OFFLOAD = textwrap.dedent("""
             optimizer.zero_grad()
     for a, b in zip(sharded.parameters(), plain.parameters()):
         assert torch.equal(a.full_tensor(), b)
+    # FSDP2's modules hold gloo work: freed after the group is torn down (at exit) they can
+    # abort the process (pytorch/pytorch#179291), so they go first.
+    del sharded, optimizers, a, b
+    gc.collect()
     dist.destroy_process_group()
 """)
 

@@ -273,13 +273,20 @@ class LowBitOptimizer(Optimizer):
         # Every group's gradients and hyperparameters are checked before anything changes:
         # through its kept plan's comparisons while that holds, else one by one.
         stepped = []
-        for index, group in enumerate(self.param_groups):
-            params, grads = with_gradients(group["params"])
-            states = [*map(self.state.get, params)]
-            if not self._cache(index).holds(self.rule, params, grads, states, self.backend):
-                self._check_grads(params, grads)
-            self.rule.check_hyperparameters(group)
-            stepped.append((params, grads, states))
+        try:
+            for index, group in enumerate(self.param_groups):
+                params, grads = with_gradients(group["params"])
+                states = [*map(self.state.get, params)]
+                if not self._cache(index).holds(self.rule, params, grads, states, self.backend):
+                    self._check_grads(params, grads)
+                self.rule.check_hyperparameters(group)
+                stepped.append((params, grads, states))
+        except Exception:
+            # A refused group: the groups checked before it step nothing, and their caches
+            # must not keep the gradient lists they accepted (nor their memory) alive.
+            for cache in self._caches:
+                cache.checked_grads = None
+            raise
         for index, (params, grads, states) in enumerate(stepped):
             self._step_params(index, params, grads, states)
 
