@@ -6,6 +6,7 @@ forward or backward, so no BLAS rounding enters), and the full optimizer state d
 (``get_optimizer_state_dict(full_state_dict=True)``) holds the single process's moments.
 """
 
+import gc
 import os
 from pathlib import Path
 
@@ -67,6 +68,12 @@ def _worker(rank: int, port: int, out: str) -> None:
         }
     if rank == 0:
         torch.save(results, Path(out) / "results.pt")
+    # FSDP2's modules hold gloo work: freed after the group is torn down (this function's
+    # locals at its return) they can abort the process ("terminate called without an active
+    # exception", pytorch/pytorch#179291), so they go first, and every rank gets here before
+    # any tears the group down.
+    del model, optimizer, full
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
