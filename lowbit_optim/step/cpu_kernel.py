@@ -30,8 +30,8 @@ from lowbit_optim.formats.catalog import QuantFormat
 
 SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
 SOURCES = ("cpu_step_op.cpp", "cpu_step_avx512.cpp", "cpu_step_avx2.cpp", "cpu_step_scalar.cpp")
-HEADERS = ("cpu_step_args.h", "cpu_step_vector_ops.h", "cpu_step_kernel.h", "rules/adamw.h", "rules/lion.h",
-           "rules/ademamix.h")
+HEADERS = ("cpu_step_args.h", "cpu_step_vector_ops.h", "cpu_step_kernel.h", "factored_statistics.h",
+           "rules/adamw.h", "rules/adamw_factored.h", "rules/lion.h", "rules/ademamix.h")
 # -ffp-contract=off: no multiply-add may be fused, so every path rounds exactly where the
 # reference (eager PyTorch, which never fuses) rounds.
 # -fopenmp: with torch's OpenMP build, ``at::parallel_for`` is a header-inline
@@ -48,6 +48,8 @@ MAX_BLOCK_SIZE = 2048
 # The rules with a functor (``csrc/rules/<name>.h``), by the name a rule module declares as its
 # ``cpu_functor``: cpu_step_args.h's RuleId.
 RULE_FUNCTORS = {"adamw": 0, "lion": 1, "ademamix": 2}
+# AdamWFactored4bit's functor (rules/adamw_factored.h) has operators of its own:
+# step/cpu_kernel_factored.py.
 
 # cpu_step_args.h's StateKind, Encoder and CellSign.
 _KIND = {4: 1, 8: 0}
@@ -90,7 +92,8 @@ def load() -> bool:
             RuntimeWarning, stacklevel=2,
         )
         return False
-    torch.library.register_fake("lowbit_optim::cpu_rule_step")(_fake_step)
+    for op in ("cpu_rule_step", "cpu_factored_step", "cpu_factored_statistics"):
+        torch.library.register_fake(f"lowbit_optim::{op}")(_fake_step)
     return True
 
 
@@ -257,7 +260,7 @@ def cpu_rule_step(param, grad, moments: tuple, values: list[torch.Tensor], *, fu
 
 
 # AdamW's functor reads its weight decay's kind as a host value (1: decoupled, 0: L2).
-_DECOUPLED = {True: torch.tensor(1.0, dtype=torch.float64), False: torch.tensor(0.0, dtype=torch.float64)}
+DECOUPLED = {True: torch.tensor(1.0, dtype=torch.float64), False: torch.tensor(0.0, dtype=torch.float64)}
 
 
 def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
@@ -273,7 +276,7 @@ def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *,
     """
     moments = (exp_avg, exp_avg_sq) if max_exp_avg_sq is None else (exp_avg, exp_avg_sq, max_exp_avg_sq)
     formats = (exp_avg.format, exp_avg_sq.format, exp_avg_sq.format)[:len(moments)]
-    values = [*scalars, _DECOUPLED[bool(decoupled_weight_decay)]]  # lr, beta1, beta2, eps, wd, step
+    values = [*scalars, DECOUPLED[bool(decoupled_weight_decay)]]  # lr, beta1, beta2, eps, wd, step
     cpu_rule_step(param, grad, moments, values, functor="adamw",
                   options=KernelOptions(maximize, stochastic_round, isa),
                   weight_correction=weight_correction, formats=formats)

@@ -103,9 +103,14 @@ class AdamWPlan:
             master = group[0].weight_correction is not None
             self.float_state.append((indices, group[0].step, FloatStateStep(
                 [e.param for e in group], moments, [e.weight_correction for e in group] if master else None)))
-        # The Triton kernel has no factored variant: these go through the compiled step.
+        # The Triton kernel has no factored variant: on CUDA these go through the compiled step;
+        # on the CPU, with backend "cpu", through the C++ kernel where it takes them.
+        kernel = [backend == "cpu" and cpu_kernel.supports((entries[i].exp_avg.format,), entries[i].exp_avg.block_size,
+                                                           entries[i].param, entries[i].grad)
+                  for i in factored]
         self.factored = FactoredParams([PlannedStep(i, entries[i]._replace(grad=None)) for i in factored],
-                                       [params[i] for i in factored]) if factored else None
+                                       [params[i] for i in factored], kernel,
+                                       cpu_kernel.default_isa() if any(kernel) else None) if factored else None
         self.isa = cpu_kernel.default_isa() if self.cpu_kernel else None
         self.triton_indices = triton_entries
         self.triton = None

@@ -31,7 +31,7 @@ import torch
 from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state import sharding
 from lowbit_optim.state.factored import factor_shape, normalized_columns
-from lowbit_optim.step import chunks
+from lowbit_optim.step import chunks, cpu_kernel_factored
 from lowbit_optim.step.chunks import (
     call_step,
     compiled_graph_count_of,
@@ -202,11 +202,19 @@ class FactoredParams:
     ``entries``: ``(index, ParamStep)`` of this rank's tensors, indices into the plan's
     gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
     FSDP2), which say across which ranks the rows are split and how many there are in all.
+    ``kernel_isa``: where the C++ CPU kernel takes ``kernel[position]``'s entry, both of its
+    passes run there (``cpu_kernel_factored``) on that instruction set, whatever the backend
+    (a gradient of another dtype than the parameter's takes the compiled step).
     The column means and the normalised columns live in buffers kept from step to step.
     """
 
-    def __init__(self, entries: list, params: list[torch.Tensor]):
+    def __init__(self, entries: list, params: list[torch.Tensor], kernel: list[bool] | None = None,
+                 kernel_isa: str | None = None):
         self.entries = entries
+        self.kernel = kernel or [False] * len(entries)
+        self.kernel_isa = kernel_isa
+        self.row_means = [torch.empty_like(entry.exp_avg_sq.row) if taken else None
+                          for (_, entry), taken in zip(entries, self.kernel)]
         self.all_rows = [factor_shape(param.shape).rows for param in params]
         self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
         buckets: dict[tuple, list[int]] = {}
@@ -228,10 +236,16 @@ class FactoredParams:
         """One step of every factored parameter (``hyper``: a ``math.StepScalars``
         whose ``step`` is ignored: each entry has its own)."""
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        kernel = [taken and grads[index].dtype == entry.param.dtype
+                  for taken, (index, entry) in zip(self.kernel, self.entries)]
         for position, (index, entry) in enumerate(self.entries):
-            self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper,
-                                        self.column_means[position], self.all_rows[position], scratch,
-                                        flags=flags)
+            entry = entry._replace(grad=grads[index])
+            if kernel[position]:
+                self._kernel_statistics(entry, hyper, self.row_means[position], self.column_means[position],
+                                        self.all_rows[position], flags=flags)
+                continue
+            self._accumulate_statistics(backend, entry, hyper, self.column_means[position],
+                                        self.all_rows[position], scratch, flags=flags)
         for flat, groups in self.reductions:
             sharding.sum_across_shards(flat, groups)
         # The bias corrections and Adam's bound depend on the step count only, which the
@@ -242,6 +256,12 @@ class FactoredParams:
             factored = entry.exp_avg_sq
             accumulate_statistic(factored.col, hyper.beta2, self.column_means[position])
             normalized_columns(factored.col, out=self.normalized_columns[position])
+            if kernel[position]:
+                cpu_kernel_factored.factored_step(
+                    entry.param, grads[index], entry.exp_avg, factored.row, self.normalized_columns[position],
+                    hyper._replace(step=entry.step), stochastic_round=stochastic_round, isa=self.kernel_isa,
+                    weight_correction=entry.weight_correction, **flags)
+                continue
             count = float(entry.step)
             if count not in step_scalars:
                 step_scalars[count] = (*bias_corrections(hyper.beta1, hyper.beta2, entry.step),
@@ -249,6 +269,20 @@ class FactoredParams:
             self._update(backend, entry._replace(grad=grads[index]), hyper, step_scalars[count],
                          self.normalized_columns[position], scratch,
                          stochastic_round=stochastic_round, flags=flags)
+
+    def _kernel_statistics(self, entry, hyper, row_means, column_means, all_rows: int, *, flags) -> None:
+        """Pass 1 in the C++ kernel: ``_accumulate_statistics``' result, each statistic within
+        one float32 ulp of it (docs/cpu_kernel.md)."""
+        factored = entry.exp_avg_sq
+        rows, columns = factored.row.numel(), factored.col.numel()
+        param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
+        if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
+            param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
+        column_means.zero_()
+        cpu_kernel_factored.factored_statistics(
+            param_matrix, entry.grad.detach().reshape(rows, columns), row_means, column_means, beta2=hyper.beta2,
+            weight_decay=hyper.weight_decay, all_rows=all_rows, isa=self.kernel_isa, **flags)
+        accumulate_statistic(factored.row, hyper.beta2, row_means)
 
     @staticmethod
     def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,

@@ -28,7 +28,10 @@ struct EncoderConstants {
 // The update rules the kernel steps, each a functor in rules/<name>.h (cpu_step_kernel.h
 // instantiates the block step once per rule); the number is lowbit_optim/step/cpu_kernel.py's
 // RULE_FUNCTORS.
-enum RuleId : int32_t { kAdamW = 0, kLion = 1, kAdEMAMix = 2 };
+// kAdamWFactored: AdamW with a factored second moment (rules/adamw_factored.h); its
+// statistics pass, kFactoredStatistics (factored_statistics.h), runs over tiles of rows, not
+// over blocks, through the same per-instruction-set entry point.
+enum RuleId : int32_t { kAdamW = 0, kLion = 1, kAdEMAMix = 2, kAdamWFactored = 3, kFactoredStatistics = 4 };
 constexpr int kMaxMoments = 3;
 constexpr int kMaxRuleValues = 16;
 
@@ -41,6 +44,27 @@ constexpr RuleShape kRuleShapes[] = {
     {7, 2, 3},    // kAdamW: lr, beta1, beta2, eps, weight_decay, step, decoupled; amsgrad's third moment
     {4, 1, 1},    // kLion: LionConstants
     {11, 3, 3},   // kAdEMAMix: AdEMAMixConstants
+    {7, 1, 1},    // kAdamWFactored: kAdamW's values; the first moment only
+    {2, 0, 0},    // kFactoredStatistics: beta2, weight_decay
+};
+
+// The factored second moment of a (rows, columns) matrix (lowbit_optim/state/factored.py).
+// The update (kAdamWFactored) reads this step's row statistics and the normalised columns;
+// the statistics pass (kFactoredStatistics) writes each row's mean of (1 - beta2) * g**2
+// (saturated float32) into row_means and each tile's column sums (float64) into
+// column_sums, tile after tile, for the operator to add up in tile order.
+struct FactoredArgs {
+  const float* row;
+  const float* col_normalized;
+  int64_t rows, columns;
+  // The statistics pass: its parameter's dtype (a float32 master weight may stand for a
+  // bfloat16 or float16 parameter under L2 decay) and tiling.
+  const void* param;
+  int32_t param_dtype;
+  int32_t decoupled;
+  int64_t first_row, chunk_rows, tile_rows;
+  float* row_means;
+  double* column_sums;
 };
 
 struct StepArgs {
@@ -67,6 +91,7 @@ struct StepArgs {
   // master_weight_bits 0) without one.
   void* correction;
   int32_t master_weight_bits;
+  FactoredArgs factored;
 };
 
 using RangeFn = void (*)(const StepArgs&, int64_t first_block, int64_t end_block);

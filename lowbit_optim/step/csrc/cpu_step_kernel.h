@@ -27,10 +27,13 @@
 // encodings of lowbit_optim/step/master_weights.py (read_master, split_master) done in the
 // same pass: bfloat16's integer bit split, float16's scaled residual.
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_step_args.h"
+#include "factored_statistics.h"
 #include "rules/ademamix.h"
 #include "rules/adamw.h"
+#include "rules/adamw_factored.h"
 #include "rules/lion.h"
 
 namespace lowbit_cpu {
@@ -172,6 +175,13 @@ inline I float16_residual(F value, bool master24, I& steps) {
   return V::iselect(V::eq(value, value), half, V::set1i(kCanonicalHalfNan));
 }
 
+// Whether a rule's update also reads the flat index of the elements it updates (the factored
+// second moment, rules/adamw_factored.h: kReadsPosition).
+template <typename Rule, typename = void>
+struct ReadsPosition : std::false_type {};
+template <typename Rule>
+struct ReadsPosition<Rule, std::void_t<decltype(Rule::kReadsPosition)>> : std::true_type {};
+
 template <typename Rule, typename T>
 struct Block {
   const StepArgs& a;
@@ -197,7 +207,13 @@ struct Block {
     F g = V::load_param(grad + offset, a.param_dtype);
     if (a.maximize) g = V::neg(g);
     M finite = V::isfinite(g);
-    F new_param = rule.update(p, V::select(finite, g, V::set1(0.0f)), decoded, updated);
+    const F safe_grad = V::select(finite, g, V::set1(0.0f));
+    F new_param;
+    if constexpr (ReadsPosition<Rule>::value) {
+      new_param = rule.update(p, safe_grad, decoded, updated, block * a.block_size + offset);
+    } else {
+      new_param = rule.update(p, safe_grad, decoded, updated);
+    }
     store_weight(offset, V::select(finite, new_param, p));
     for (int s = 0; s < count; ++s) {
       const F kept = V::select(finite, updated[s], decoded[s]);
@@ -387,6 +403,8 @@ void run_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
   switch (a.rule) {
     case kLion: run_rule<LionRule>(a, first_block, end_block); break;
     case kAdEMAMix: run_rule<AdEMAMixRule>(a, first_block, end_block); break;
+    case kAdamWFactored: run_rule<AdamWFactoredRule>(a, first_block, end_block); break;
+    case kFactoredStatistics: run_statistics(a, first_block, end_block); break;  // tiles of rows
     default:
       if (a.moment_count == 3) {
         run_rule<AdamWRule<true>>(a, first_block, end_block);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "cpu_step_args.h"
 
@@ -18,6 +19,7 @@ namespace lowbit_cpu {
 namespace {
 
 constexpr int64_t kMaxBlockSize = 2048;  // cpu_step_kernel.h's kMaxBlock
+constexpr int64_t kElementsPerTask = int64_t{1} << 16;
 constexpr int64_t kEncoderFloats = 20;   // EncoderConstants as float32 values (cpu_kernel.py)
 // A cell table's words: one half of cells, or two halves 2**15 cells apart (cell_tables.py).
 constexpr int64_t kCellsPerHalf = 2945;
@@ -61,20 +63,25 @@ void check_block_state(const at::Tensor& codes, const at::Tensor& scales, int64_
               "cpu_rule_step: moment ", moment, "'s scales must be ", num_blocks, " contiguous float32 values");
 }
 
-void cpu_rule_step(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
+RangeFn range_of(int64_t isa) {
+  TORCH_CHECK(isa >= kScalar && isa <= kAvx512 && isa_supported(isa), "cpu_rule_step: instruction set ", isa,
+              " is not available on this CPU");
+  return isa == kAvx512 ? avx512_range() : isa == kAvx2 ? avx2_range() : scalar_range();
+}
+
+// The checked arguments of a block step (cpu_rule_step's, cpu_factored_step's).
+StepArgs rule_args(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
                    const c10::optional<at::Tensor>& weight_correction, at::TensorList tables,
                    const at::Tensor& encoders, at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind,
-                   int64_t block_size, bool maximize, bool stochastic_round, int64_t isa) {
+                   int64_t block_size, bool maximize, bool stochastic_round) {
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous(), "cpu_rule_step: param must be a contiguous CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.scalar_type() == param.scalar_type() &&
                   grad.numel() == param.numel(),
               "cpu_rule_step: grad must be a contiguous CPU tensor of param's dtype and size");
-  TORCH_CHECK(rule >= kAdamW && rule <= kAdEMAMix, "cpu_rule_step: unknown rule ", rule);
+  TORCH_CHECK(rule >= kAdamW && rule <= kAdamWFactored, "cpu_rule_step: unknown rule ", rule);
   TORCH_CHECK(kind >= kDynamic8 && kind <= kFloat8, "cpu_rule_step: unknown state kind ", kind);
   TORCH_CHECK(block_size >= 2 && block_size <= kMaxBlockSize && block_size % 4 == 0,
               "cpu_rule_step: block_size must be a multiple of 4 in [4, ", kMaxBlockSize, "], got ", block_size);
-  TORCH_CHECK(isa >= kScalar && isa <= kAvx512 && isa_supported(isa), "cpu_rule_step: instruction set ", isa,
-              " is not available on this CPU");
   const RuleShape shape = kRuleShapes[rule];
   const int64_t moment_count = static_cast<int64_t>(codes.size());
   TORCH_CHECK(moment_count >= shape.min_moments && moment_count <= shape.max_moments &&
@@ -154,14 +161,124 @@ void cpu_rule_step(at::Tensor param, const at::Tensor& grad, at::TensorList code
     a.seed = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
   }
 
-  RangeFn run = isa == kAvx512 ? avx512_range() : isa == kAvx2 ? avx2_range() : scalar_range();
+  return a;
+}
+
+// Every block of a.param, with the path of `isa`, threaded over blocks.
+void run_blocks(const StepArgs& a, int64_t isa) {
+  RangeFn run = range_of(isa);
   const int64_t width = isa == kAvx512 ? 16 : isa == kAvx2 ? 8 : 1;
-  const int64_t vector_span = kind == kNibble4 ? block_size / 2 : block_size;
+  const int64_t vector_span = a.kind == kNibble4 ? a.block_size / 2 : a.block_size;
   if (vector_span % width != 0) run = scalar_range();  // a block the vectors do not tile
   // About 64K elements per task: large enough that a task's overhead is negligible, small
   // enough that a few large parameters still spread over every thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / block_size);
+  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / a.block_size);
+  const int64_t num_blocks = (a.numel + a.block_size - 1) / a.block_size;
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) { run(a, begin, end); });
+}
+
+void cpu_rule_step(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
+                   const c10::optional<at::Tensor>& weight_correction, at::TensorList tables,
+                   const at::Tensor& encoders, at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind,
+                   int64_t block_size, bool maximize, bool stochastic_round, int64_t isa) {
+  TORCH_CHECK(rule != kAdamWFactored, "cpu_rule_step: the factored rule's step is cpu_factored_step");
+  run_blocks(rule_args(param, grad, codes, scales, weight_correction, tables, encoders, cells, values, rule, kind,
+                       block_size, maximize, stochastic_round),
+             isa);
+}
+
+void check_statistic(const at::Tensor& statistic, int64_t size, const char* name) {
+  TORCH_CHECK(statistic.scalar_type() == at::kFloat && statistic.is_contiguous() && statistic.device().is_cpu() &&
+                  statistic.numel() == size,
+              "cpu_factored: ", name, " must be ", size, " contiguous float32 CPU values");
+}
+
+// AdamWFactored4bit's element pass (rules/adamw_factored.h): the block step of the first
+// moment with each element's second moment row[i] * col_normalized[j] of the (rows, columns)
+// view of the parameter, columns = col_normalized's length.
+void cpu_factored_step(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
+                       const c10::optional<at::Tensor>& weight_correction, const at::Tensor& row,
+                       const at::Tensor& col_normalized, at::TensorList tables, const at::Tensor& encoders,
+                       at::TensorList cells, at::TensorList values, int64_t kind, int64_t block_size, bool maximize,
+                       bool stochastic_round, int64_t isa) {
+  StepArgs a = rule_args(param, grad, codes, scales, weight_correction, tables, encoders, cells, values,
+                         kAdamWFactored, kind, block_size, maximize, stochastic_round);
+  const int64_t rows = row.numel(), columns = col_normalized.numel();
+  TORCH_CHECK(rows >= 1 && columns >= 1 && rows * columns == param.numel(),
+              "cpu_factored_step: ", rows, " rows and ", columns, " columns do not make param's ", param.numel(),
+              " elements");
+  check_statistic(row, rows, "row");
+  check_statistic(col_normalized, columns, "col_normalized");
+  a.factored.row = row.data_ptr<float>();
+  a.factored.col_normalized = col_normalized.data_ptr<float>();
+  a.factored.rows = rows;
+  a.factored.columns = columns;
+  run_blocks(a, isa);
+}
+
+// The statistics pass (factored_statistics.h) of a (rows, columns) gradient, `param` read
+// under L2 decay (the gradient's dtype, or its float32 master weight): each row's mean of
+// (1 - beta2) * g**2 into row_means (saturated float32), and, a chunk of chunk_rows rows at a
+// time, the chunk's column sums divided by all_rows, saturated to float32 and added into
+// column_means (float32, saturated), as lowbit_optim/step/factored.py accumulates them.
+void cpu_factored_statistics(const at::Tensor& param, const at::Tensor& grad, at::Tensor row_means,
+                             at::Tensor column_means, at::TensorList values, int64_t all_rows, int64_t chunk_rows,
+                             bool maximize, bool decoupled, int64_t isa) {
+  const int64_t rows = row_means.numel(), columns = column_means.numel();
+  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == rows * columns && rows >= 1,
+              "cpu_factored_statistics: grad must be a contiguous CPU tensor of rows * columns elements");
+  TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.numel() == grad.numel() &&
+                  (param.scalar_type() == grad.scalar_type() || param.scalar_type() == at::kFloat),
+              "cpu_factored_statistics: param must be contiguous, of grad's size and dtype or float32");
+  check_statistic(row_means, rows, "row_means");
+  check_statistic(column_means, columns, "column_means");
+  TORCH_CHECK(values.size() == 2 && all_rows >= rows && chunk_rows >= 1,
+              "cpu_factored_statistics: beta2 and weight_decay, all_rows >= rows and chunk_rows >= 1");
+  StepArgs a{};
+  const auto dtype_of = [](const at::Tensor& t) -> int32_t {
+    switch (t.scalar_type()) {
+      case at::kFloat: return kFloat32;
+      case at::kBFloat16: return kBFloat16;
+      case at::kHalf: return kFloat16;
+      default: TORCH_CHECK(false, "cpu_factored_statistics: dtype ", t.scalar_type(), " is not supported");
+    }
+    return kFloat32;  // unreachable
+  };
+  a.rule = kFactoredStatistics;
+  a.grad = grad.data_ptr();
+  a.param_dtype = dtype_of(grad);
+  a.maximize = maximize;
+  for (size_t i = 0; i < values.size(); ++i) a.rule_values[i] = scalar_of(values[i]);
+  FactoredArgs& f = a.factored;
+  f.param = param.data_ptr();
+  f.param_dtype = dtype_of(param);
+  f.decoupled = decoupled;
+  f.rows = rows;
+  f.columns = columns;
+  f.chunk_rows = chunk_rows;
+  // Tiles of about 64K elements: fixed by the shape alone, so that the sums' order, and hence
+  // the result, does not depend on the thread count.
+  f.tile_rows = std::max<int64_t>(1, kElementsPerTask / columns);
+  const int64_t tiles_per_chunk = (std::min(chunk_rows, rows) + f.tile_rows - 1) / f.tile_rows;
+  std::vector<double> column_sums(tiles_per_chunk * columns);
+  f.column_sums = column_sums.data();
+  f.row_means = row_means.data_ptr<float>();
+  float* means = column_means.data_ptr<float>();
+  const RangeFn run = range_of(isa);
+  const double divisor = static_cast<double>(all_rows);
+  constexpr double kFloat32Max = 3.4028234663852886e+38;
+  for (int64_t first = 0; first < rows; first += chunk_rows) {
+    f.first_row = first;
+    const int64_t tiles = (std::min(chunk_rows, rows - first) + f.tile_rows - 1) / f.tile_rows;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) { run(a, begin, end); });
+    for (int64_t j = 0; j < columns; ++j) {
+      double sum = 0.0;
+      for (int64_t tile = 0; tile < tiles; ++tile) sum += column_sums[tile * columns + j];
+      const double share = sum / divisor;
+      const float total = means[j] + static_cast<float>(share < kFloat32Max ? share : kFloat32Max);
+      means[j] = total < static_cast<float>(kFloat32Max) ? total : static_cast<float>(kFloat32Max);
+    }
+  }
 }
 
 }  // namespace
@@ -173,6 +290,17 @@ TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
       "Tensor(d!)? weight_correction, Tensor[] tables, Tensor encoders, Tensor[] cells, Tensor[] values, int rule, "
       "int kind, "
       "int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
+  m.def(
+      "cpu_factored_step(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, "
+      "Tensor(d!)? weight_correction, Tensor row, Tensor col_normalized, Tensor[] tables, Tensor encoders, "
+      "Tensor[] cells, Tensor[] values, int kind, int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
+  m.def(
+      "cpu_factored_statistics(Tensor param, Tensor grad, Tensor(a!) row_means, Tensor(b!) column_means, "
+      "Tensor[] values, int all_rows, int chunk_rows, bool maximize, bool decoupled, int isa) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lowbit_optim, CPU, m) { m.impl("cpu_rule_step", &lowbit_cpu::cpu_rule_step); }
+TORCH_LIBRARY_IMPL(lowbit_optim, CPU, m) {
+  m.impl("cpu_rule_step", &lowbit_cpu::cpu_rule_step);
+  m.impl("cpu_factored_step", &lowbit_cpu::cpu_factored_step);
+  m.impl("cpu_factored_statistics", &lowbit_cpu::cpu_factored_statistics);
+}
