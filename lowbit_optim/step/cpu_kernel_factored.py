@@ -1,7 +1,7 @@
 """``AdamWFactored4bit``'s step in the C++ CPU kernel (``cpu_kernel``): its two passes.
 
 ``factored_statistics`` is ``factored.second_moment_means`` followed by the accumulation of the
-column means' shares, for a whole parameter (``csrc/factored_statistics.h``): the same float64
+row statistics and of the column means' shares, for a whole parameter (``csrc/factored_statistics.h``): the same float64
 terms, summed in another order (docs/cpu_kernel.md: at most one float32 ulp per statistic
 apart from the compiled step's). ``factored_step`` is ``factored.factored_adamw_step`` over every
 block of the parameter in one pass (``csrc/rules/adamw_factored.h``, on the kernel's block step
@@ -15,20 +15,20 @@ from lowbit_optim.step.cpu_kernel import DECOUPLED, ISAS, default_isa, format_co
 from lowbit_optim.step.math import StepScalars
 
 
-def factored_statistics(param_matrix: torch.Tensor, grad_matrix: torch.Tensor, row_means: torch.Tensor,
+def factored_statistics(param_matrix: torch.Tensor, grad_matrix: torch.Tensor, row: torch.Tensor,
                         column_means: torch.Tensor, *, beta2: torch.Tensor, weight_decay: torch.Tensor,
                         all_rows: int, maximize: bool, decoupled_weight_decay: bool,
                         isa: str | None = None) -> None:
-    """This step's means of ``(1 - beta2) * g**2`` over each row of the ``(rows, columns)``
-    gradient into ``row_means`` and, over ``all_rows`` rows, this shard's share of each
-    column's added into ``column_means`` (both float32, saturated at the largest float32), a
-    chunk of rows (``chunks.CHUNK_ELEMENTS``) at a time as the compiled pass adds them.
-    ``param_matrix``: read under L2 decay only (the gradient's dtype, or a float32 master
-    weight)."""
+    """Pass 1 for a ``(rows, columns)`` gradient: each row's mean of ``(1 - beta2) * g**2``
+    accumulated into the row statistics ``row`` (``factored.accumulate_statistic``), and
+    ``column_means`` set to this shard's share of the column means over ``all_rows`` rows, a
+    chunk of rows (``chunks.CHUNK_ELEMENTS``) at a time as the compiled pass adds them (float32,
+    saturated at the largest float32). ``param_matrix``: read under L2 decay only (the
+    gradient's dtype, or a float32 master weight)."""
     rows, columns = grad_matrix.shape
     chunk_rows = max(1, chunks.CHUNK_ELEMENTS // columns)
     torch.ops.lowbit_optim.cpu_factored_statistics(
-        param_matrix.detach().contiguous(), grad_matrix.detach().contiguous(), row_means, column_means,
+        param_matrix.detach().contiguous(), grad_matrix.detach().contiguous(), row, column_means,
         [beta2, weight_decay], all_rows, chunk_rows, maximize, decoupled_weight_decay,
         ISAS[isa or default_isa()])
 

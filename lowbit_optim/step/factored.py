@@ -213,8 +213,6 @@ class FactoredParams:
         self.entries = entries
         self.kernel = kernel or [False] * len(entries)
         self.kernel_isa = kernel_isa
-        self.row_means = [torch.empty_like(entry.exp_avg_sq.row) if taken else None
-                          for (_, entry), taken in zip(entries, self.kernel)]
         self.all_rows = [factor_shape(param.shape).rows for param in params]
         self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
         buckets: dict[tuple, list[int]] = {}
@@ -241,8 +239,8 @@ class FactoredParams:
         for position, (index, entry) in enumerate(self.entries):
             entry = entry._replace(grad=grads[index])
             if kernel[position]:
-                self._kernel_statistics(entry, hyper, self.row_means[position], self.column_means[position],
-                                        self.all_rows[position], flags=flags)
+                self._kernel_statistics(entry, hyper, self.column_means[position], self.all_rows[position],
+                                        flags=flags)
                 continue
             self._accumulate_statistics(backend, entry, hyper, self.column_means[position],
                                         self.all_rows[position], scratch, flags=flags)
@@ -270,7 +268,7 @@ class FactoredParams:
                          self.normalized_columns[position], scratch,
                          stochastic_round=stochastic_round, flags=flags)
 
-    def _kernel_statistics(self, entry, hyper, row_means, column_means, all_rows: int, *, flags) -> None:
+    def _kernel_statistics(self, entry, hyper, column_means, all_rows: int, *, flags) -> None:
         """Pass 1 in the C++ kernel: ``_accumulate_statistics``' result, each statistic within
         one float32 ulp of it (docs/cpu_kernel.md)."""
         factored = entry.exp_avg_sq
@@ -278,11 +276,9 @@ class FactoredParams:
         param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
         if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
             param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
-        column_means.zero_()
         cpu_kernel_factored.factored_statistics(
-            param_matrix, entry.grad.detach().reshape(rows, columns), row_means, column_means, beta2=hyper.beta2,
-            weight_decay=hyper.weight_decay, all_rows=all_rows, isa=self.kernel_isa, **flags)
-        accumulate_statistic(factored.row, hyper.beta2, row_means)
+            param_matrix, entry.grad.detach().reshape(rows, columns), factored.row, column_means,
+            beta2=hyper.beta2, weight_decay=hyper.weight_decay, all_rows=all_rows, isa=self.kernel_isa, **flags)
 
     @staticmethod
     def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,

@@ -50,9 +50,9 @@ constexpr RuleShape kRuleShapes[] = {
 
 // The factored second moment of a (rows, columns) matrix (lowbit_optim/state/factored.py).
 // The update (kAdamWFactored) reads this step's row statistics and the normalised columns;
-// the statistics pass (kFactoredStatistics) writes each row's mean of (1 - beta2) * g**2
-// (saturated float32) into row_means and each tile's column sums (float64) into
-// column_sums, tile after tile, for the operator to add up in tile order.
+// the statistics pass (kFactoredStatistics) adds each row's mean of (1 - beta2) * g**2
+// (saturated float32) to beta2 * row_statistics, and writes each tile's column sums (float64)
+// into column_sums, tile after tile, for the operator to add up in tile order.
 struct FactoredArgs {
   const float* row;
   const float* col_normalized;
@@ -63,7 +63,8 @@ struct FactoredArgs {
   int32_t param_dtype;
   int32_t decoupled;
   int64_t first_row, chunk_rows, tile_rows;
-  float* row_means;
+  float* row_statistics;
+  float beta2;  // as the float32 statistics meet it
   double* column_sums;
 };
 

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -218,19 +219,20 @@ void cpu_factored_step(at::Tensor param, const at::Tensor& grad, at::TensorList 
 
 // The statistics pass (factored_statistics.h) of a (rows, columns) gradient, `param` read
 // under L2 decay (the gradient's dtype, or its float32 master weight): each row's mean of
-// (1 - beta2) * g**2 into row_means (saturated float32), and, a chunk of chunk_rows rows at a
-// time, the chunk's column sums divided by all_rows, saturated to float32 and added into
-// column_means (float32, saturated), as lowbit_optim/step/factored.py accumulates them.
-void cpu_factored_statistics(const at::Tensor& param, const at::Tensor& grad, at::Tensor row_means,
+// (1 - beta2) * g**2 accumulated into `row` (row = beta2 * row + mean, float32, saturated),
+// and column_means set to this shard's share of the column means: a chunk of chunk_rows rows
+// at a time, the chunk's column sums divided by all_rows, saturated to float32 and added up in
+// float32 (saturated), as lowbit_optim/step/factored.py accumulates them.
+void cpu_factored_statistics(const at::Tensor& param, const at::Tensor& grad, at::Tensor row,
                              at::Tensor column_means, at::TensorList values, int64_t all_rows, int64_t chunk_rows,
                              bool maximize, bool decoupled, int64_t isa) {
-  const int64_t rows = row_means.numel(), columns = column_means.numel();
+  const int64_t rows = row.numel(), columns = column_means.numel();
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == rows * columns && rows >= 1,
               "cpu_factored_statistics: grad must be a contiguous CPU tensor of rows * columns elements");
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.numel() == grad.numel() &&
                   (param.scalar_type() == grad.scalar_type() || param.scalar_type() == at::kFloat),
               "cpu_factored_statistics: param must be contiguous, of grad's size and dtype or float32");
-  check_statistic(row_means, rows, "row_means");
+  check_statistic(row, rows, "row");
   check_statistic(column_means, columns, "column_means");
   TORCH_CHECK(values.size() == 2 && all_rows >= rows && chunk_rows >= 1,
               "cpu_factored_statistics: beta2 and weight_decay, all_rows >= rows and chunk_rows >= 1");
@@ -262,8 +264,10 @@ void cpu_factored_statistics(const at::Tensor& param, const at::Tensor& grad, at
   const int64_t tiles_per_chunk = (std::min(chunk_rows, rows) + f.tile_rows - 1) / f.tile_rows;
   std::vector<double> column_sums(tiles_per_chunk * columns);
   f.column_sums = column_sums.data();
-  f.row_means = row_means.data_ptr<float>();
+  f.row_statistics = row.data_ptr<float>();
+  f.beta2 = static_cast<float>(a.rule_values[0]);
   float* means = column_means.data_ptr<float>();
+  std::fill(means, means + columns, 0.0f);
   const RangeFn run = range_of(isa);
   const double divisor = static_cast<double>(all_rows);
   constexpr double kFloat32Max = 3.4028234663852886e+38;
@@ -295,7 +299,7 @@ TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
       "Tensor(d!)? weight_correction, Tensor row, Tensor col_normalized, Tensor[] tables, Tensor encoders, "
       "Tensor[] cells, Tensor[] values, int kind, int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
   m.def(
-      "cpu_factored_statistics(Tensor param, Tensor grad, Tensor(a!) row_means, Tensor(b!) column_means, "
+      "cpu_factored_statistics(Tensor param, Tensor grad, Tensor(a!) row, Tensor(b!) column_means, "
       "Tensor[] values, int all_rows, int chunk_rows, bool maximize, bool decoupled, int isa) -> ()");
 }
 
