@@ -1,11 +1,12 @@
 """``AdamWFactored4bit``'s step in the C++ CPU kernel (``cpu_kernel``): its two passes.
 
 ``factored_statistics`` is ``factored.second_moment_means`` followed by the accumulation of the
-row statistics and of the column means' shares, for a whole parameter (``csrc/factored_statistics.h``): the same float64
-terms, summed in another order (docs/cpu_kernel.md: at most one float32 ulp per statistic
-apart from the compiled step's). ``factored_step`` is ``factored.factored_adamw_step`` over every
-block of the parameter in one pass (``csrc/rules/adamw_factored.h``, on the kernel's block step
-with its policies and master weights): bit for bit the compiled step's for the same statistics.
+row statistics and of the column means' shares, for a whole parameter
+(``csrc/factored_statistics.h``): the same float64 terms, summed in another order
+(docs/cpu_kernel.md: at most one float32 ulp per statistic apart from the compiled step's).
+``factored_step`` is ``factored.factored_adamw_step`` over every block of the parameter in one
+pass (``csrc/rules/adamw_factored.h``, on the kernel's block step with its policies and master
+weights): bit for bit the compiled step's for the same statistics.
 """
 
 import torch
@@ -34,8 +35,9 @@ def factored_statistics(param_matrix: torch.Tensor, grad_matrix: torch.Tensor, r
 
 
 def factored_step(param, grad, exp_avg, row: torch.Tensor, col_normalized: torch.Tensor,
-                  scalars: StepScalars, *, maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool,
-                  isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
+                  scalars: StepScalars, *, maximize: bool, stochastic_round: bool,
+                  decoupled_weight_decay: bool, isa: str | None = None,
+                  weight_correction: torch.Tensor | None = None) -> None:
     """One factored parameter's update pass, in place: its first moment ``exp_avg`` (a 4-bit
     ``QuantizedState``) and the parameter (and its master weight ``weight_correction``, if
     any), with this step's ``row`` statistics and ``col_normalized`` (``col / mean(col)``).

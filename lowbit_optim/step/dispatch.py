@@ -105,12 +105,14 @@ class AdamWPlan:
                 [e.param for e in group], moments, [e.weight_correction for e in group] if master else None)))
         # The Triton kernel has no factored variant: on CUDA these go through the compiled step;
         # on the CPU, with backend "cpu", through the C++ kernel where it takes them.
-        kernel = [backend == "cpu" and cpu_kernel.supports((entries[i].exp_avg.format,), entries[i].exp_avg.block_size,
-                                                           entries[i].param, entries[i].grad)
-                  for i in factored]
-        self.factored = FactoredParams([PlannedStep(i, entries[i]._replace(grad=None)) for i in factored],
-                                       [params[i] for i in factored], kernel,
-                                       cpu_kernel.default_isa() if any(kernel) else None) if factored else None
+        kernel = [backend == "cpu" and cpu_kernel.supports((entry.exp_avg.format,), entry.exp_avg.block_size,
+                                                           entry.param, entry.grad)
+                  for entry in map(entries.__getitem__, factored)]
+        kernel_isa = cpu_kernel.default_isa() if any(kernel) else None
+        self.factored = None
+        if factored:
+            self.factored = FactoredParams([PlannedStep(i, entries[i]._replace(grad=None)) for i in factored],
+                                           [params[i] for i in factored], kernel, kernel_isa)
         self.isa = cpu_kernel.default_isa() if self.cpu_kernel else None
         self.triton_indices = triton_entries
         self.triton = None

@@ -278,7 +278,8 @@ class FactoredParams:
             param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
         cpu_kernel_factored.factored_statistics(
             param_matrix, entry.grad.detach().reshape(rows, columns), factored.row, column_means,
-            beta2=hyper.beta2, weight_decay=hyper.weight_decay, all_rows=all_rows, isa=self.kernel_isa, **flags)
+            beta2=hyper.beta2, weight_decay=hyper.weight_decay, all_rows=all_rows, isa=self.kernel_isa,
+            **flags)
 
     @staticmethod
     def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,
