@@ -22,10 +22,10 @@ import functools
 import pytest
 import torch
 from conftest import num_threads
-from helpers import assert_same_state, available_isas
+from helpers import assert_same_state, available_isas, make_scalars
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
-from lowbit_optim.step import cpu_kernel
+from lowbit_optim.step import chunks, cpu_kernel
 from lowbit_optim.step.chunks import ParamStep, TailScratch
 from lowbit_optim.step.dispatch import AdamWPlan
 from lowbit_optim.step.factored import FactoredParams
@@ -186,6 +186,37 @@ def test_both_passes_stay_within_the_statistics_bound(monkeypatch, variant):
     for params, state in results[1:]:
         assert all(torch.equal(bits(p), bits(q)) for p, q in zip(params, results[0][0]))
         assert_same_state(state, results[0][1])
+
+
+@pytest.mark.parametrize("flags", [dict(maximize=False, decoupled_weight_decay=True),
+                                   dict(maximize=True, decoupled_weight_decay=False)],
+                         ids=["plain", "maximize-l2"])
+def test_statistics_of_a_row_shard_in_chunks_match_compiled_pass(monkeypatch, flags):
+    """An FSDP2 shard's pass (20 of 50 rows: the column shares over all 50, which
+    ``sharding.sum_across_shards`` then adds up) in chunks of 4 rows, from non-zero statistics:
+    the row statistics within one ulp, the column shares within one ulp per chunk (each chunk's
+    share is rounded to float32 and added in float32, as the compiled pass adds them)."""
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 300)  # 4 rows of 70: 5 chunks
+    generator = torch.Generator().manual_seed(5)
+    param = torch.randn(20, 70, generator=generator)
+    grad = gradient((20, 70), torch.float32, generator)
+    hyper = make_scalars(weight_decay=0.1)
+    results = []
+    for kernel in (True, False):
+        factored = FactoredState.zeros(param.shape)
+        factored.row.copy_(torch.rand(20, generator=torch.Generator().manual_seed(6)))
+        exp_avg = QuantizedState.zeros(param.shape, AdamWFactored4bit.exp_avg_format, 128)  # its format only
+        entry = ParamStep(param, grad, exp_avg, factored, None, hyper.step)
+        column_means = torch.empty(70)
+        if kernel:
+            FactoredParams([], [])._kernel_statistics(entry, hyper, column_means, 50, flags=flags)
+        else:
+            compiled_statistics(None, entry, hyper, column_means, 50, flags=flags)
+        results.append((factored.row, column_means))
+    (row, columns), (expected_row, expected_columns) = results
+    assert ulps_apart(row, expected_row) <= 1
+    assert ulps_apart(columns, expected_columns) <= 5
+    assert (columns > 0).all()  # every column saw a finite gradient
 
 
 def test_bf16_stochastic_rounding_stays_within_one_ulp(monkeypatch):
