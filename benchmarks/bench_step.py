@@ -44,7 +44,7 @@ from lowbit_optim.step import cpu_kernel  # noqa: E402
 
 DEFAULT_OPTIMIZERS = ("torch_adamw", "torch_adamw_foreach", "lowbit_8bit", "lowbit_4bit", "lowbit_fp8",
                       "lowbit_4bit_factored", "lowbit_8bit_compile", "lowbit_4bit_compile",
-                      "lowbit_fp8_compile", *harness.PEERS)
+                      "lowbit_fp8_compile", "lowbit_4bit_factored_compile", *harness.PEERS)
 MODELS = {
     "linear10": ("10 x Linear(1024, 1024, bias=False) fp32", [(1024, 1024)] * 10),
     "square4096": ("one 4096 x 4096 parameter, fp32", [(4096, 4096)]),

@@ -165,6 +165,8 @@ OPTIMIZERS = {
                       lambda params, **hyper: AdamW4bit(params, backend="compile", **hyper)),
         OptimizerSpec("lowbit_fp8_compile", "lowbit_optim AdamWFp8 (backend='compile')", None,
                       lambda params, **hyper: AdamWFp8(params, backend="compile", **hyper)),
+        OptimizerSpec("lowbit_4bit_factored_compile", "lowbit_optim AdamWFactored4bit (backend='compile')",
+                      None, lambda params, **hyper: AdamWFactored4bit(params, backend="compile", **hyper)),
         OptimizerSpec("torchao_8bit", "torchao AdamW8bit", "torchao", _torchao("AdamW8bit")),
         OptimizerSpec("torchao_4bit", "torchao AdamW4bit", "torchao", _torchao("AdamW4bit")),
         OptimizerSpec("torchao_fp8", "torchao AdamWFp8", "torchao", _torchao("AdamWFp8")),
