@@ -23,6 +23,11 @@ struct V {
   static inline F mul(F a, F b) { return a * b; }
   static inline F div(F a, F b) { return a / b; }
   static inline F sqrt(F a) { return __builtin_sqrtf(a); }
+  // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
+  static inline F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+  static inline F fnmadd(F a, F b, F c) { return __builtin_fmaf(-a, b, c); }
+  // A quotient of values by one at least their finite magnitude: NaN -> 0, clamped to [-1, 1].
+  static inline F saturate_quotient(F n) { return min(max(select(eq(n, n), n, set1(0.0f)), set1(-1.0f)), set1(1.0f)); }
   // The vector instructions' rule (the second operand unless the first is larger or
   // smaller): no NaN reaches them, so this equals torch's maximum, minimum and clamp.
   static inline F max(F a, F b) { return a > b ? a : b; }
