@@ -30,6 +30,8 @@ struct Primitives {
   // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
   static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  // The least integer at least a (a within int32's range).
+  static inline I ceil_to_int(F a) { return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   // A quotient of values by one at least their finite magnitude: NaN -> +0, +-inf -> +-1, every
   // other value (within [-1, 1], -0 included) kept. One fix-up instruction: its table holds a
   // response per class of the value, four bits each from the lowest: QNaN, SNaN -> +0 (8);

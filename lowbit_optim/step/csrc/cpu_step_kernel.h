@@ -64,8 +64,15 @@ constexpr int kCellPositionShift = 1 + 8 + 7;
 template <int32_t kEncoder>
 struct BlockEncoder {
   explicit BlockEncoder(const EncoderConstants& c)
-      : zero_free(c.zero_free != 0), first_edge(c.first_edge), cell_sign(c.cell_sign), cells(c.cells) {
-    for (int i = 0; i < 16; ++i) midpoints[i] = c.midpoints[i];
+      : zero_free(c.zero_free != 0), first_edge(c.first_edge), cell_sign(c.cell_sign), cells(c.cells),
+        middle(c.midpoints[7]) {
+    // searched[level][code]: the midpoint the search compares with at that level (halves 4, 2,
+    // 1) from the code found so far, midpoints[code + half - 1]; a lookup by the code itself.
+    for (int level = 0; level < 3; ++level)
+      for (int code = 0; code < 16; ++code) {
+        const int index = code + (4 >> level) - 1;
+        searched[level][code] = index < 16 ? c.midpoints[index] : __builtin_inff();
+      }
   }
 
   // Encode normalised values in [-1, 1] (NaN already 0) exactly as the reference codecs do.
@@ -73,17 +80,19 @@ struct BlockEncoder {
     if (zero_free) n = V::select(V::lt(n, V::set1(first_edge)), V::set1(0.0f), n);
     if constexpr (kEncoder == kSmallTable) {
       // The reference counts the midpoints n exceeds; they ascend strictly, so a 4-step
-      // binary search over them (index = midpoints exceeded so far) finds the same count.
-      I code = V::set1i(0);
-      for (int half = 8; half >= 1; half >>= 1) {
-        I candidate = V::iadd(code, V::set1i(half));
-        F midpoint = V::lookup16(midpoints, V::isub(candidate, V::set1i(1)));
-        code = V::iselect(V::gt(n, midpoint), candidate, code);
+      // binary search over them (code = midpoints exceeded so far) finds the same count.
+      I code = V::iselect(V::gt(n, V::set1(middle)), V::set1i(8), V::set1i(0));
+      for (int level = 0; level < 3; ++level) {
+        const F midpoint = V::lookup16(searched[level], code);
+        code = V::iselect(V::gt(n, midpoint), V::iadd(code, V::set1i(4 >> level)), code);
       }
       return code;
     } else if constexpr (kEncoder == kLinear16) {
-      F t = V::ceil(V::sub(V::mul(n, V::set1(16.0f)), V::set1(1.5f)));
-      return V::f2i(V::min(V::max(t, V::set1(0.0f)), V::set1(15.0f)));
+      // ceil(16 n - 1.5) clamped to [0, 15]: 16 n is exact, so one fused operation rounds as
+      // the reference's two do; n <= 1 keeps it below 15, and clamping below 0 before the
+      // ceiling gives what clamping after it gives.
+      const F t = V::fmadd(n, V::set1(16.0f), V::set1(-1.5f));
+      return V::ceil_to_int(V::max(t, V::set1(0.0f)));
     } else if constexpr (kEncoder == kE4M3) {
       F y = V::mul(n, V::set1(448.0f));
       I bits = V::bits(y);
@@ -127,7 +136,8 @@ struct BlockEncoder {
   float first_edge;
   int32_t cell_sign;
   const int32_t* cells;
-  alignas(64) float midpoints[16];
+  float middle;  // the search's first midpoint, the 8th
+  alignas(64) float searched[3][16];
 };
 
 // fn(encoder) with the BlockEncoder of c's kind (the operator accepts no other kind).
@@ -224,7 +234,7 @@ struct Block {
   inline void update(int64_t offset, const I codes[kMaxMoments]) {
     constexpr int count = Rule::kMoments;
     F decoded[kMaxMoments], updated[kMaxMoments];
-    for (int s = 0; s < count; ++s) decoded[s] = V::mul(decode(s, codes[s]), V::set1(scale[s]));
+    for (int s = 0; s < count; ++s) decoded[s] = decode(s, codes[s]);
     F p = load_weight(offset);
     F g = V::load_param(grad + offset, a.param_dtype);
     if (a.maximize) g = V::neg(g);
@@ -310,7 +320,8 @@ struct Block {
   }
 
   inline F decode(int moment, I codes) const {
-    return a.kind == kNibble4 ? V::lookup16(a.tables[moment], codes) : V::gather256(a.tables[moment], codes);
+    const F value = a.kind == kNibble4 ? V::lookup16(a.tables[moment], codes) : V::gather256(a.tables[moment], codes);
+    return V::mul(value, V::set1(scale[moment]));
   }
 
 };
