@@ -18,7 +18,8 @@
 //   encoder gives the code of 0 of the same sign (the least threshold of any format is
 //   2**-23, the cell tables' floor), and q keeps x's sign and stays below 2**-29.
 // A divisor outside the range (a zero scale divides by inf) takes the divider.
-// A non-finite q0 (x infinite or NaN) is the quotient already: the correction would make NaN.
+// Where q0 is 0, infinite or NaN it is the quotient already (V::unless_special): the correction
+// would turn an infinity into NaN, and -0 into +0 (r = -0 - d * -0 = +0, and +0 * y + -0 = +0).
 #pragma once
 
 namespace lowbit_cpu {
@@ -36,8 +37,7 @@ class ConstantDivisor {
     if (!by_reciprocal_) return V::div(x, V::set1(divisor_));
     const F estimate = V::mul(x, V::set1(reciprocal_));
     const F remainder = V::fnmadd(estimate, V::set1(divisor_), x);
-    const F quotient = V::fmadd(remainder, V::set1(reciprocal_), estimate);
-    return V::select(V::isfinite(estimate), quotient, estimate);
+    return V::unless_special(V::fmadd(remainder, V::set1(reciprocal_), estimate), estimate);
   }
 
  private:

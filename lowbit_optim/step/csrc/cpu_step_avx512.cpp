@@ -30,6 +30,13 @@ struct Primitives {
   // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
   static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  // `value` where `estimate` is a nonzero finite number, else `estimate`: one fix-up instruction
+  // classifying `estimate`, its table a response per class, four bits each from the lowest:
+  // QNaN, SNaN, zero -> estimate (1); +1 -> value (0); -inf, +inf -> estimate; negative,
+  // positive -> value.
+  static inline F unless_special(F value, F estimate) {
+    return _mm512_fixupimm_ps(value, estimate, _mm512_set1_epi32(0x00110111), 0);
+  }
   // The least integer at least a (a within int32's range).
   static inline I ceil_to_int(F a) { return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   // A quotient of values by one at least their finite magnitude: NaN -> +0, +-inf -> +-1, every
