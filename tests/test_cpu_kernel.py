@@ -127,6 +127,24 @@ def test_non_finite_huge_and_zero_gradients(kernel, ieee_sqrt, pair, isa):
     assert states[0].scales[0] == 0 and torch.isfinite(param).all()
 
 
+@pytest.mark.parametrize("isa", available_isas())
+def test_negative_zero_moment_keeps_its_code(kernel, ieee_sqrt, isa):
+    # float8's code 0x80 decodes to -0.0; an element whose gradient is not finite keeps it, and
+    # the reference encodes -0.0 / scale = -0.0 back to 0x80, not to +0.0's code 0. (The kernel
+    # divides by the scale through its reciprocal, whose correction step alone would give +0.0.)
+    setup = KernelSetup("fp8", (4097,), torch.float32, amsgrad=False)
+    negative_zero = int((setup.fmts[0].table == 0).logical_and(setup.fmts[0].table.signbit()).nonzero())
+    param, states = setup.copies()
+    states[0].codes.view(-1)[3:4097:7] = negative_zero
+    setup.param, setup.states = param, states
+    grad = spread_gradient((4097,), torch.float32, setup.generator)
+    grad[3::7] = float("nan")
+    (param, states), (ref_param, ref_states) = run_both(setup, grad, make_scalars(step=setup.step), isa)
+    assert (ref_states[0].codes.view(-1)[3:4097:7] == negative_zero).all()
+    assert_same_quantized(states, ref_states)
+    torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
+
+
 def test_non_contiguous_parameter(kernel, ieee_sqrt):
     setup = KernelSetup("4bit", (96, 130), torch.float32, amsgrad=False)
     setup.param = setup.param.t().contiguous().t()  # same values, column-major

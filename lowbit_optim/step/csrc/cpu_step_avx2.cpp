@@ -27,6 +27,17 @@ struct Primitives {
   static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
   static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
+  static inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  // `value` where `estimate` is a nonzero finite number, else `estimate`.
+  static inline F unless_special(F value, F estimate) {
+    return select(_mm256_and_ps(isfinite(estimate), _mm256_cmp_ps(estimate, set1(0.0f), _CMP_NEQ_UQ)), value, estimate);
+  }
+  // The least integer at least a (a within int32's range).
+  static inline I ceil_to_int(F a) { return f2i(ceil(a)); }
+  // A quotient of values by one at least their finite magnitude: NaN -> 0, clamped to [-1, 1].
+  static inline F saturate_quotient(F n) { return min(max(select(eq(n, n), n, set1(0.0f)), set1(-1.0f)), set1(1.0f)); }
   static inline F max(F a, F b) { return _mm256_max_ps(a, b); }
   static inline F min(F a, F b) { return _mm256_min_ps(a, b); }
   static inline I bits(F a) { return _mm256_castps_si256(a); }

@@ -27,6 +27,23 @@ struct Primitives {
   static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
   static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
+  static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  // `value` where `estimate` is a nonzero finite number, else `estimate`: one fix-up instruction
+  // classifying `estimate`, its table a response per class, four bits each from the lowest:
+  // QNaN, SNaN, zero -> estimate (1); +1 -> value (0); -inf, +inf -> estimate; negative,
+  // positive -> value.
+  static inline F unless_special(F value, F estimate) {
+    return _mm512_fixupimm_ps(value, estimate, _mm512_set1_epi32(0x00110111), 0);
+  }
+  // The least integer at least a (a within int32's range).
+  static inline I ceil_to_int(F a) { return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
+  // A quotient of values by one at least their finite magnitude: NaN -> +0, +-inf -> +-1, every
+  // other value (within [-1, 1], -0 included) kept. One fix-up instruction: its table holds a
+  // response per class of the value, four bits each from the lowest: QNaN, SNaN -> +0 (8);
+  // zero, +1 -> the value (1); -inf -> -1 (9); +inf -> +1 (10); negative, positive -> the value.
+  static inline F saturate_quotient(F n) { return _mm512_fixupimm_ps(n, n, _mm512_set1_epi32(0x11A91188), 0); }
   static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
   static inline F min(F a, F b) { return _mm512_min_ps(a, b); }
   static inline I bits(F a) { return _mm512_castps_si512(a); }

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "constant_divisor.h"
 #include "cpu_step_args.h"
 #include "factored_statistics.h"
 #include "rules/ademamix.h"
@@ -45,6 +46,8 @@ using I = typename V::I;
 using M = typename V::M;
 constexpr int W = V::W;
 constexpr int kMaxBlock = 2048;
+constexpr int64_t kPrefetchBlocks = 2;
+constexpr int64_t kLineBytes = 64;
 
 // The cell tables' layout (lowbit_optim/formats/cell_tables.py, checked against it by
 // cpu_kernel.py): binades 2**-23 .. 2**-1 in 2**7 cells each and 1.0 itself; a float's bits
@@ -57,26 +60,43 @@ constexpr int32_t kCellPositiveStart = (1 << 15) - kCellFirst;
 // Shifting out the sign, the 8 exponent bits and the 7 index bits leaves the position in the cell.
 constexpr int kCellPositionShift = 1 + 8 + 7;
 
-// Encode normalised values in [-1, 1] (NaN already 0) exactly as the reference codecs do.
-inline I encode(const EncoderConstants& c, F n) {
-  if (c.zero_free) n = V::select(V::lt(n, V::set1(c.first_edge)), V::set1(0.0f), n);
-  switch (c.encoder) {
-    case kSmallTable: {
+// An encoder (cpu_step_args.h's Encoder) with its constants copied out of the call's arguments:
+// locals, which no store of codes can change, so the loop over a block keeps them in registers
+// and has no branch on the kind (measured: half the 4-bit step's time went to encoding while
+// the kind was a run-time value read per vector).
+template <int32_t kEncoder>
+struct BlockEncoder {
+  explicit BlockEncoder(const EncoderConstants& c)
+      : zero_free(c.zero_free != 0), first_edge(c.first_edge), cell_sign(c.cell_sign), cells(c.cells),
+        middle(c.midpoints[7]) {
+    // searched[level][code]: the midpoint the search compares with at that level (halves 4, 2,
+    // 1) from the code found so far, midpoints[code + half - 1]; a lookup by the code itself.
+    for (int level = 0; level < 3; ++level)
+      for (int code = 0; code < 16; ++code) {
+        const int index = code + (4 >> level) - 1;
+        searched[level][code] = index < 16 ? c.midpoints[index] : __builtin_inff();
+      }
+  }
+
+  // Encode normalised values in [-1, 1] (NaN already 0) exactly as the reference codecs do.
+  inline I operator()(F n) const {
+    if (zero_free) n = V::select(V::lt(n, V::set1(first_edge)), V::set1(0.0f), n);
+    if constexpr (kEncoder == kSmallTable) {
       // The reference counts the midpoints n exceeds; they ascend strictly, so a 4-step
-      // binary search over them (index = midpoints exceeded so far) finds the same count.
-      I code = V::set1i(0);
-      for (int half = 8; half >= 1; half >>= 1) {
-        I candidate = V::iadd(code, V::set1i(half));
-        F midpoint = V::lookup16(c.midpoints, V::isub(candidate, V::set1i(1)));
-        code = V::iselect(V::gt(n, midpoint), candidate, code);
+      // binary search over them (code = midpoints exceeded so far) finds the same count.
+      I code = V::iselect(V::gt(n, V::set1(middle)), V::set1i(8), V::set1i(0));
+      for (int level = 0; level < 3; ++level) {
+        const F midpoint = V::lookup16(searched[level], code);
+        code = V::iselect(V::gt(n, midpoint), V::iadd(code, V::set1i(4 >> level)), code);
       }
       return code;
-    }
-    case kLinear16: {
-      F t = V::ceil(V::sub(V::mul(n, V::set1(16.0f)), V::set1(1.5f)));
-      return V::f2i(V::min(V::max(t, V::set1(0.0f)), V::set1(15.0f)));
-    }
-    case kE4M3: {
+    } else if constexpr (kEncoder == kLinear16) {
+      // ceil(16 n - 1.5) clamped to [0, 15]: 16 n is exact, so one fused operation rounds as
+      // the reference's two do; n <= 1 keeps it below 15, and clamping below 0 before the
+      // ceiling gives what clamping after it gives.
+      const F t = V::fmadd(n, V::set1(16.0f), V::set1(-1.5f));
+      return V::ceil_to_int(V::max(t, V::set1(0.0f)));
+    } else if constexpr (kEncoder == kE4M3) {
       F y = V::mul(n, V::set1(448.0f));
       I bits = V::bits(y);
       I magnitude = V::iand(bits, V::set1i(0x7FFFFFFF));
@@ -86,19 +106,19 @@ inline I encode(const EncoderConstants& c, F n) {
                          V::set1i((127 - 7) << 3));
       I subnormal = V::isub(V::bits(V::add(V::abs(y), V::set1(16384.0f))), V::set1i(0x46800000));
       return V::ior(V::iselect(V::ilt(magnitude, V::set1i(0x3C800000)), subnormal, normal), sign);
-    }
-    case kCells: {
+    } else {
+      static_assert(kEncoder == kCells);
       // The code from the value's top bits (lowbit_optim/formats/cell_tables.py has the
       // argument: each codec is monotone on either sign, so a cell of 2**-7 of a binade holds
       // at most one bin edge, whose position the cell's word records with the codes on either
       // side). Integer operations only, so the code is the codec's exactly. n is normalised
       // (no NaN, within [-1, 1]); the clamp to the floor puts 0 and values below every edge
       // on the first cell.
-      F magnitude = c.cell_sign == kCellsClamped ? n : V::abs(n);
+      F magnitude = cell_sign == kCellsClamped ? n : V::abs(n);
       magnitude = V::min(V::max(magnitude, V::set1(kCellFloor)), V::set1(1.0f));
       I bits = V::bits(magnitude);
       I cell;
-      if (c.cell_sign == kCellsSigned) {
+      if (cell_sign == kCellsSigned) {
         // n's sign bit on the magnitude becomes the index's bit 15: the negative half sits
         // 2**15 cells below the positive one.
         I with_sign = V::ior(bits, V::iand(V::bits(n), V::set1i(INT32_MIN)));
@@ -106,26 +126,48 @@ inline I encode(const EncoderConstants& c, F n) {
       } else {
         cell = V::isub(V::srl(bits, kCellShift), V::set1i(kCellFirst));
       }
-      I word = V::gather_i32(c.cells, cell);
+      I word = V::gather_i32(cells, cell);
       // The position in the cell above the word's two code bytes: position > edge (unsigned,
       // by flipping both sign bits) picks the code past the edge.
       I position = V::sll(bits, kCellPositionShift);
       M past = V::ilt(V::ixor(word, V::set1i(INT32_MIN)), V::ixor(position, V::set1i(INT32_MIN)));
       return V::iand(V::iselect(past, V::srl(word, 8), word), V::set1i(0xFF));
     }
-    default:
-      return V::set1i(0);  // unreachable: the operator accepts only the encoders above
+  }
+
+  bool zero_free;
+  float first_edge;
+  int32_t cell_sign;
+  const int32_t* cells;
+  float middle;  // the search's first midpoint, the 8th
+  alignas(64) float searched[3][16];
+};
+
+// fn(encoder) with the BlockEncoder of c's kind (the operator accepts no other kind).
+template <typename Fn>
+inline void with_encoder(const EncoderConstants& c, Fn&& fn) {
+  switch (c.encoder) {
+    case kSmallTable: fn(BlockEncoder<kSmallTable>(c)); break;
+    case kLinear16: fn(BlockEncoder<kLinear16>(c)); break;
+    case kE4M3: fn(BlockEncoder<kE4M3>(c)); break;
+    default: fn(BlockEncoder<kCells>(c)); break;
   }
 }
 
-// QuantFormat._normalize: an exact division (by inf for a zero scale), NaN -> 0, clamp.
-inline F normalize(F x, F divisor) {
-  F n = V::div(x, divisor);
-  n = V::select(V::eq(n, n), n, V::set1(0.0f));
-  return V::min(V::max(n, V::set1(-1.0f)), V::set1(1.0f));
-}
+// QuantFormat._normalize: an exact division (by inf for a zero scale), NaN -> 0, clamp. The
+// scale is at least every finite |x|, so a finite quotient is within [-1, 1] already (division
+// is monotone and 1 is a float): only infinities need the clamp (V::saturate_quotient).
+inline F normalize(F x, const ConstantDivisor& divisor) { return V::saturate_quotient(divisor.divide(x)); }
 
 inline F finite_magnitude(F x) { return V::select(V::isfinite(x), V::abs(x), V::set1(0.0f)); }
+
+// The largest finite magnitude of `count` values: a block's scale, where its running maximum
+// (which counts infinities) came out infinite.
+inline float finite_absmax(const float* values, int64_t count) {
+  F absmax = V::set1(0.0f);
+  for (int64_t j = 0; j < count; j += W) absmax = V::max(absmax, finite_magnitude(V::loadf(values + j)));
+  return V::reduce_max(absmax);
+}
 
 inline uint32_t mix32(uint64_t x) {
   x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
@@ -202,7 +244,7 @@ struct Block {
   inline void update(int64_t offset, const I codes[kMaxMoments]) {
     constexpr int count = Rule::kMoments;
     F decoded[kMaxMoments], updated[kMaxMoments];
-    for (int s = 0; s < count; ++s) decoded[s] = V::mul(decode(s, codes[s]), V::set1(scale[s]));
+    for (int s = 0; s < count; ++s) decoded[s] = decode(s, codes[s]);
     F p = load_weight(offset);
     F g = V::load_param(grad + offset, a.param_dtype);
     if (a.maximize) g = V::neg(g);
@@ -218,7 +260,10 @@ struct Block {
     for (int s = 0; s < count; ++s) {
       const F kept = V::select(finite, updated[s], decoded[s]);
       V::storef(moments[s] + offset, kept);
-      absmax[s] = V::max(absmax[s], finite_magnitude(kept));
+      // max returns its second operand where either is NaN, so a NaN never enters the running
+      // maximum; an infinity does, and the block's scale is then found again without it
+      // (finite_absmax): rare, and two operations fewer per vector than filtering here.
+      absmax[s] = V::max(V::abs(kept), absmax[s]);
     }
   }
 
@@ -291,12 +336,10 @@ struct Block {
   }
 
   inline F decode(int moment, I codes) const {
-    return a.kind == kNibble4 ? V::lookup16(a.tables[moment], codes) : V::gather256(a.tables[moment], codes);
+    const F value = a.kind == kNibble4 ? V::lookup16(a.tables[moment], codes) : V::gather256(a.tables[moment], codes);
+    return V::mul(value, V::set1(scale[moment]));
   }
 
-  inline I encode_at(int moment, int64_t offset, F divisor) const {
-    return encode(a.encoders[moment], normalize(V::loadf(moments[moment] + offset), divisor));
-  }
 };
 
 // The block's parameter, gradient and correction (if any) as its step reads them.
@@ -338,20 +381,26 @@ void step_block(const StepArgs& a, const Rule& rule, const BlockData<T>& data, f
     }
   }
   for (int s = 0; s < slots; ++s) {
-    const float scale = V::reduce_max(b.absmax[s]);
+    float scale = V::reduce_max(b.absmax[s]);
+    if (scale == __builtin_inff()) scale = finite_absmax(b.moments[s], size);
     a.scales[s][block] = scale;
     // A zero scale divides by inf: finite values become 0, as the reference's select gives.
-    const F divisor = V::set1(scale > 0.0f ? scale : __builtin_inff());
-    if (a.kind == kNibble4) {
-      const int64_t half = size / 2;
-      for (int64_t j = 0; j < half; j += W) {
-        I low = b.encode_at(s, j, divisor);
-        I high = b.encode_at(s, half + j, divisor);
-        V::store_u8(a.codes[s] + block * half + j, V::ior(low, V::sll(high, 4)));
+    const ConstantDivisor divisor(scale > 0.0f ? scale : __builtin_inff());
+    const float* values = b.moments[s];
+    with_encoder(a.encoders[s], [&](const auto& encode) {
+      if (a.kind == kNibble4) {
+        const int64_t half = size / 2;
+        uint8_t* codes_out = a.codes[s] + block * half;
+        for (int64_t j = 0; j < half; j += W) {
+          I low = encode(normalize(V::loadf(values + j), divisor));
+          I high = encode(normalize(V::loadf(values + half + j), divisor));
+          V::store_u8(codes_out + j, V::ior(low, V::sll(high, 4)));
+        }
+      } else {
+        uint8_t* codes_out = a.codes[s] + block * size;
+        for (int64_t j = 0; j < size; j += W) V::store_u8(codes_out + j, encode(normalize(V::loadf(values + j), divisor)));
       }
-    } else {
-      for (int64_t j = 0; j < size; j += W) V::store_u8(a.codes[s] + block * size + j, b.encode_at(s, j, divisor));
-    }
+    });
   }
 }
 
@@ -366,6 +415,13 @@ void step_range(const StepArgs& a, const Rule& rule, int64_t first_block, int64_
   const int64_t whole_blocks = a.numel / size;
   for (int64_t block = first_block; block < end_block; ++block) {
     uint8_t* block_correction = correction ? correction + block * size * correction_bytes : nullptr;
+    if (block + kPrefetchBlocks < whole_blocks) {
+      const int64_t ahead = (block + kPrefetchBlocks) * size;
+      for (int64_t i = 0; i < size; i += kLineBytes / sizeof(T)) {
+        __builtin_prefetch(param + ahead + i, 1);
+        __builtin_prefetch(grad + ahead + i, 0);
+      }
+    }
     if (block < whole_blocks) {
       step_block(a, rule, BlockData<T>{param + block * size, grad + block * size, block_correction, block}, buffers);
       continue;

@@ -23,6 +23,15 @@ struct V {
   static inline F mul(F a, F b) { return a * b; }
   static inline F div(F a, F b) { return a / b; }
   static inline F sqrt(F a) { return __builtin_sqrtf(a); }
+  // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
+  static inline F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+  static inline F fnmadd(F a, F b, F c) { return __builtin_fmaf(-a, b, c); }
+  // `value` where `estimate` is a nonzero finite number, else `estimate`.
+  static inline F unless_special(F value, F estimate) { return isfinite(estimate) && estimate != 0.0f ? value : estimate; }
+  // The least integer at least a (a within int32's range).
+  static inline I ceil_to_int(F a) { return f2i(ceil(a)); }
+  // A quotient of values by one at least their finite magnitude: NaN -> 0, clamped to [-1, 1].
+  static inline F saturate_quotient(F n) { return min(max(select(eq(n, n), n, set1(0.0f)), set1(-1.0f)), set1(1.0f)); }
   // The vector instructions' rule (the second operand unless the first is larger or
   // smaller): no NaN reaches them, so this equals torch's maximum, minimum and clamp.
   static inline F max(F a, F b) { return a > b ? a : b; }

@@ -21,7 +21,8 @@ struct AdamWMath {
   // As adamw_update computes them from 0-d float64 tensors: every 0-d result is float64,
   // rounded to float32 where it meets a float32 tensor; the bias corrections are pow and sqrt
   // in float64, as torch's scalar kernels compute them.
-  float one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+  float one_minus_beta1, beta2, one_minus_beta2, step_size, eps;
+  ConstantDivisor bias_correction2_sqrt;
   float max_ratio;     // step.math.adam_ratio_bound: |exp_avg / denom| is clamped to it
   float decay;         // 1 - lr * weight_decay (decoupled)
   float weight_decay;  // L2 (not decoupled)
@@ -42,7 +43,7 @@ struct AdamWMath {
     beta2 = static_cast<float>(beta2_v);
     one_minus_beta2 = static_cast<float>(1.0 - beta2_v);
     step_size = static_cast<float>(lr / bias_correction1);
-    bias_correction2_sqrt = static_cast<float>(correction2_sqrt);
+    bias_correction2_sqrt = ConstantDivisor(static_cast<float>(correction2_sqrt));
     eps = static_cast<float>(eps_v);
     decay = static_cast<float>(1.0 - lr * weight_decay_v);
     weight_decay = static_cast<float>(weight_decay_v);
@@ -59,7 +60,7 @@ struct AdamWMath {
   // math.parameter_update: the new parameter from `p` (the master weight where there is one),
   // the new first moment and the second moment the denominator reads.
   inline F parameter(F p, F new_exp_avg, F second) const {
-    const F denom = V::add(V::div(V::sqrt(second), V::set1(bias_correction2_sqrt)), V::set1(eps));
+    const F denom = V::add(bias_correction2_sqrt.divide(V::sqrt(second)), V::set1(eps));
     const F decayed = decoupled ? V::mul(p, V::set1(decay)) : p;
     // clamp(-max_ratio, max_ratio), NaN kept as torch's clamp keeps it: the vector max/min
     // return their second operand when either is NaN.

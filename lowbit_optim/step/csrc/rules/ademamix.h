@@ -23,7 +23,8 @@ struct AdEMAMixRule {
   // 0-d float64 values and their float64 combinations, rounded to float32 where they meet a
   // float32 tensor (as torch rounds a float64 0-d tensor there).
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, decay;
-  float bias_correction1, bias_correction2_sqrt, fast_bound, slow_bound;
+  float bias_correction1, fast_bound, slow_bound;
+  ConstantDivisor bias_correction2_sqrt;
 
   explicit AdEMAMixRule(const StepArgs& a) {
     const double* v = a.rule_values;  // lr, beta1, beta2, beta3, alpha, eps, weight_decay, bc1, bc2_sqrt, bounds
@@ -38,7 +39,7 @@ struct AdEMAMixRule {
     eps = static_cast<float>(v[5]);
     decay = static_cast<float>(1.0 - v[0] * v[6]);
     bias_correction1 = static_cast<float>(v[7]);
-    bias_correction2_sqrt = static_cast<float>(v[8]);
+    bias_correction2_sqrt = ConstantDivisor(static_cast<float>(v[8]));
     fast_bound = static_cast<float>(v[9]);
     slow_bound = static_cast<float>(v[10]);
   }
@@ -55,7 +56,7 @@ struct AdEMAMixRule {
     updated[0] = exp_avg;
     updated[1] = exp_avg_slow;
     updated[2] = exp_avg_sq;
-    const F denom = V::add(V::div(V::sqrt(exp_avg_sq), V::set1(bias_correction2_sqrt)), V::set1(eps));
+    const F denom = V::add(bias_correction2_sqrt.divide(V::sqrt(exp_avg_sq)), V::set1(eps));
     const F fast = V::div(clamp(V::div(exp_avg, denom), fast_bound), V::set1(bias_correction1));
     const F slow = clamp(V::div(exp_avg_slow, denom), slow_bound);
     const F step = V::mul(V::set1(lr), V::add(fast, V::mul(V::set1(alpha), slow)));
