@@ -231,6 +231,11 @@ struct Block {
   // can change the rule's constants, and keeps them in registers (measured on 8-bit AdamW: 4-7%
   // faster than reading them through a reference).
   const Rule rule;
+  // The call's flags, copied for the same reason: the vector stores may alias anything, so a
+  // flag read through `a` is read again after every store, and branched on per vector.
+  const int32_t param_dtype, master_weight_bits;
+  const bool maximize, stochastic_round, nibble;
+  const float* const* tables;  // the moments' decode tables (a.tables)
   T* param;
   const T* grad;
   void* correction;  // the block's master weight correction, or null
@@ -246,8 +251,8 @@ struct Block {
     F decoded[kMaxMoments], updated[kMaxMoments];
     for (int s = 0; s < count; ++s) decoded[s] = decode(s, codes[s]);
     F p = load_weight(offset);
-    F g = V::load_param(grad + offset, a.param_dtype);
-    if (a.maximize) g = V::neg(g);
+    F g = V::load_param(grad + offset, param_dtype);
+    if (maximize) g = V::neg(g);
     M finite = V::isfinite(g);
     const F safe_grad = V::select(finite, g, V::set1(0.0f));
     F new_param;
@@ -269,7 +274,7 @@ struct Block {
 
   // The correction of the W elements at `offset`, sign-extended to int32.
   inline I load_correction(int64_t offset) const {
-    return a.master_weight_bits == 24
+    return master_weight_bits == 24
         ? V::sra(V::sll(V::load_u8(static_cast<const uint8_t*>(correction) + offset), 24), 24)
         : V::sra(V::sll(V::load_u16(static_cast<const uint16_t*>(correction) + offset), 16), 16);
   }
@@ -278,17 +283,17 @@ struct Block {
   // (read_master). bfloat16: its bits above the remainder, in int32.
   inline F load_weight(int64_t offset) const {
     if constexpr (sizeof(T) == 2) {
-      if (a.master_weight_bits) {
-        const bool master24 = a.master_weight_bits == 24;
+      if (master_weight_bits) {
+        const bool master24 = master_weight_bits == 24;
         I correction_steps = load_correction(offset);
-        if (a.param_dtype == kFloat16)
+        if (param_dtype == kFloat16)
           return read_float16_master(V::load_u16(param + offset), correction_steps, master24);
         I upper = V::sll(V::load_u16(param + offset), kBFloat16Shift);
         I remainder = master24 ? V::sll(correction_steps, kMaster24Dropped) : correction_steps;
         return V::as_float(V::iadd(upper, remainder));
       }
     }
-    return V::load_param(param + offset, a.param_dtype);
+    return V::load_param(param + offset, param_dtype);
   }
 
   // Store the updated parameter: split into parameter and correction (split_master), or
@@ -298,9 +303,9 @@ struct Block {
   // pair holds (the parameter is that master weight rounded to nearest even).
   inline void store_weight(int64_t offset, F value) {
     if constexpr (sizeof(T) == 2) {
-      if (a.master_weight_bits) {
-        const bool master24 = a.master_weight_bits == 24;
-        if (a.param_dtype == kFloat16) {
+      if (master_weight_bits) {
+        const bool master24 = master_weight_bits == 24;
+        if (param_dtype == kFloat16) {
           I correction_steps;
           I half = float16_residual(value, master24, correction_steps);
           half = float16_residual(read_float16_master(half, correction_steps, master24), master24, correction_steps);
@@ -317,18 +322,18 @@ struct Block {
         store_correction(offset, master24 ? V::sra(remainder, kMaster24Dropped) : remainder);
         return;
       }
-      if (a.stochastic_round && a.param_dtype == kBFloat16) {
+      if (stochastic_round && param_dtype == kBFloat16) {
         I index = V::iadd(V::iota(), V::set1i(static_cast<int32_t>(offset)));
         V::store_bf16_stochastic(param + offset, value, V::hash_noise(index, noise_key));
         return;
       }
     }
-    V::store_param(param + offset, value, a.param_dtype);
+    V::store_param(param + offset, value, param_dtype);
   }
 
   // Store W corrections (int32 lanes within the correction dtype's range) at `offset`.
   inline void store_correction(int64_t offset, I correction_steps) {
-    if (a.master_weight_bits == 24) {
+    if (master_weight_bits == 24) {
       V::store_u8(static_cast<uint8_t*>(correction) + offset, correction_steps);
     } else {
       V::store16(static_cast<uint16_t*>(correction) + offset, V::iand(correction_steps, V::set1i(0xFFFF)));
@@ -336,7 +341,7 @@ struct Block {
   }
 
   inline F decode(int moment, I codes) const {
-    const F value = a.kind == kNibble4 ? V::lookup16(a.tables[moment], codes) : V::gather256(a.tables[moment], codes);
+    const F value = nibble ? V::lookup16(tables[moment], codes) : V::gather256(tables[moment], codes);
     return V::mul(value, V::set1(scale[moment]));
   }
 
@@ -356,7 +361,8 @@ void step_block(const StepArgs& a, const Rule& rule, const BlockData<T>& data, f
   const int64_t size = a.block_size;
   const int64_t block = data.block;
   constexpr int slots = Rule::kMoments;
-  Block<Rule, T> b{a, rule, data.param, data.grad, data.correction, block, {}, {},
+  Block<Rule, T> b{a, rule, a.param_dtype, a.master_weight_bits, a.maximize != 0, a.stochastic_round != 0,
+                   a.kind == kNibble4, a.tables, data.param, data.grad, data.correction, block, {}, {},
                    {buffers, buffers + kMaxBlock, buffers + 2 * kMaxBlock},
                    a.stochastic_round ? mix32(a.seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL)) : 0u};
   for (int s = 0; s < slots; ++s) {
@@ -364,11 +370,13 @@ void step_block(const StepArgs& a, const Rule& rule, const BlockData<T>& data, f
     b.absmax[s] = V::set1(0.0f);
   }
   I codes[kMaxMoments];
-  if (a.kind == kNibble4) {
+  const uint8_t* block_codes[kMaxMoments];  // locals, not re-read through `a` after each store
+  for (int s = 0; s < slots; ++s) block_codes[s] = a.codes[s] + block * (b.nibble ? size / 2 : size);
+  if (b.nibble) {
     const int64_t half = size / 2;
     for (int64_t j = 0; j < half; j += W) {
       I packed[kMaxMoments];
-      for (int s = 0; s < slots; ++s) packed[s] = V::load_u8(a.codes[s] + block * half + j);
+      for (int s = 0; s < slots; ++s) packed[s] = V::load_u8(block_codes[s] + j);
       for (int s = 0; s < slots; ++s) codes[s] = V::iand(packed[s], V::set1i(15));
       b.update(j, codes);
       for (int s = 0; s < slots; ++s) codes[s] = V::srl(packed[s], 4);
@@ -376,7 +384,7 @@ void step_block(const StepArgs& a, const Rule& rule, const BlockData<T>& data, f
     }
   } else {
     for (int64_t j = 0; j < size; j += W) {
-      for (int s = 0; s < slots; ++s) codes[s] = V::load_u8(a.codes[s] + block * size + j);
+      for (int s = 0; s < slots; ++s) codes[s] = V::load_u8(block_codes[s] + j);
       b.update(j, codes);
     }
   }
