@@ -217,8 +217,8 @@ inline I float16_residual(F value, bool master24, I& steps) {
   return V::iselect(V::eq(value, value), half, V::set1i(kCanonicalHalfNan));
 }
 
-// Whether a rule's update also reads the flat index of the elements it updates (the factored
-// second moment, rules/adamw_factored.h: kReadsPosition).
+// Whether a rule's update also reads the position of the elements it updates, their block and
+// offset in it (the factored second moment, rules/adamw_factored.h: kReadsPosition).
 template <typename Rule, typename = void>
 struct ReadsPosition : std::false_type {};
 template <typename Rule>
@@ -257,7 +257,7 @@ struct Block {
     const F safe_grad = V::select(finite, g, V::set1(0.0f));
     F new_param;
     if constexpr (ReadsPosition<Rule>::value) {
-      new_param = rule.update(p, safe_grad, decoded, updated, block * a.block_size + offset);
+      new_param = rule.update(p, safe_grad, decoded, updated, block, offset);
     } else {
       new_param = rule.update(p, safe_grad, decoded, updated);
     }

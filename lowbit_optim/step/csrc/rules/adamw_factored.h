@@ -18,17 +18,18 @@ namespace {
 
 struct AdamWFactoredRule : AdamWMath {
   static constexpr int kMoments = 1;
-  // Block::update passes the flat index of the W elements it updates (cpu_step_kernel.h).
+  // Block::update passes the block and offset of the W elements it updates (cpu_step_kernel.h).
   static constexpr bool kReadsPosition = true;
   const float* row;
   const float* col_normalized;
-  int64_t last_row, columns;
+  int64_t block_size, last_row, columns;
   double inverse_columns;
 
   explicit AdamWFactoredRule(const StepArgs& a)
       : AdamWMath(a),
         row(a.factored.row),
         col_normalized(a.factored.col_normalized),
+        block_size(a.block_size),
         last_row(a.factored.rows - 1),
         columns(a.factored.columns),
         inverse_columns(1.0 / static_cast<double>(a.factored.columns)) {}
@@ -63,12 +64,12 @@ struct AdamWFactoredRule : AdamWMath {
   }
 
   // The new parameter from `p` (the master weight where there is one) and a finite gradient
-  // `g` of the W elements from flat index `first`; the new first moment into `updated`.
-  inline F update(F p, F g, const F* moments, F* updated, int64_t first) const {
+  // `g` of the W elements at `offset` in `block`; the new first moment into `updated`.
+  inline F update(F p, F g, const F* moments, F* updated, int64_t block, int64_t offset) const {
     g = gradient(p, g);
     const F new_exp_avg = first_moment(moments[0], g);
     updated[0] = new_exp_avg;
-    return parameter(p, new_exp_avg, second_moment(first));
+    return parameter(p, new_exp_avg, second_moment(block * block_size + offset));
   }
 };
 
