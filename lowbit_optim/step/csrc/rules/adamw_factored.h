@@ -24,6 +24,10 @@ struct AdamWFactoredRule : AdamWMath {
   const float* col_normalized;
   int64_t block_size, last_row, columns;
   double inverse_columns;
+  // Where the block being stepped starts: Block holds its own copy of the functor per block,
+  // so the split of its first index is found once, at its first vector.
+  mutable int64_t current_block = -1, block_row = 0, block_column = 0;
+  mutable float block_row_value = 0.0f;
 
   explicit AdamWFactoredRule(const StepArgs& a)
       : AdamWMath(a),
@@ -34,13 +38,12 @@ struct AdamWFactoredRule : AdamWMath {
         columns(a.factored.columns),
         inverse_columns(1.0 / static_cast<double>(a.factored.columns)) {}
 
-  // The second moments of the W elements from flat index `first`, as the reference's float32
-  // product. The row index comes from a float64 multiply by 1 / columns, corrected to the
-  // exact quotient (flat indices < 2**53 are exact in float64, and the product is off by at
-  // most one), so no integer division runs per vector.
-  inline F second_moment(int64_t first) const {
-    int64_t i = static_cast<int64_t>(static_cast<double>(first) * inverse_columns);
-    int64_t j = first - i * columns;
+  // (i, j) of flat index `flat`: i = flat / columns from a float64 multiply by 1 / columns,
+  // corrected to the exact quotient (indices < 2**53 are exact in float64 and the product is
+  // off by at most one), so no integer division runs.
+  inline void split(int64_t flat, int64_t& i, int64_t& j) const {
+    i = static_cast<int64_t>(static_cast<double>(flat) * inverse_columns);
+    j = flat - i * columns;
     if (j < 0) {
       --i;
       j += columns;
@@ -48,12 +51,27 @@ struct AdamWFactoredRule : AdamWMath {
       ++i;
       j -= columns;
     }
-    if (j + V::W <= columns)  // one row: a broadcast and a contiguous load
-      return V::mul(V::set1(row[i < last_row ? i : last_row]), V::loadf(col_normalized + j));
+  }
+
+  inline float row_value(int64_t i) const { return row[i < last_row ? i : last_row]; }
+
+  // The second moments of the W elements at `offset` in block `at`, as the reference's float32
+  // product row[i] * col_normalized[j].
+  inline F second_moment(int64_t at, int64_t offset) const {
+    if (at != current_block) {
+      current_block = at;
+      split(at * block_size, block_row, block_column);
+      block_row_value = row_value(block_row);
+    }
+    int64_t i = block_row, j = block_column + offset;
+    if (j + V::W <= columns)  // in the block's first row: a broadcast and a contiguous load
+      return V::mul(V::set1(block_row_value), V::loadf(col_normalized + j));
+    split(at * block_size + offset, i, j);
+    if (j + V::W <= columns) return V::mul(V::set1(row_value(i)), V::loadf(col_normalized + j));
     alignas(64) float row_values[V::W];
     alignas(64) float col_values[V::W];
     for (int lane = 0; lane < V::W; ++lane) {
-      row_values[lane] = row[i < last_row ? i : last_row];
+      row_values[lane] = row_value(i);
       col_values[lane] = col_normalized[j];
       if (++j == columns) {
         j = 0;
@@ -69,7 +87,7 @@ struct AdamWFactoredRule : AdamWMath {
     g = gradient(p, g);
     const F new_exp_avg = first_moment(moments[0], g);
     updated[0] = new_exp_avg;
-    return parameter(p, new_exp_avg, second_moment(block * block_size + offset));
+    return parameter(p, new_exp_avg, second_moment(block, offset));
   }
 };
 
