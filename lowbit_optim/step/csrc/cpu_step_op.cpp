@@ -2,7 +2,9 @@
 // (0-d CPU tensors) once, picks the instruction-set path and runs it over the blocks with
 // at::parallel_for (so torch.set_num_threads governs it). Each block is computed alone, so the
 // result does not depend on the thread count. The rule's functor (rules/*.h) forms its
-// constants from the host values in each task.
+// constants from the host values in each task. AdamWFactored4bit's two passes have operators
+// of their own on the same entry points: cpu_factored_step (the block step with the factored
+// functor and the parameter's statistics) and cpu_factored_statistics (tiles of rows).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
