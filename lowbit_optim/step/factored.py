@@ -195,16 +195,17 @@ def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
 
 class FactoredParams:
     """The factored parameters of one ``dispatch.AdamWPlan``, stepped together in place with
-    ``"compile"`` or ``"eager"``: every parameter's statistics pass first, then, for FSDP2
+    ``"compile"``, ``"eager"`` or the C++ kernel: every parameter's statistics pass first, then, for FSDP2
     shards, one all-reduce of all their column means' shares per set of process groups (each
     rank holds other rows: ``sharding.sum_across_shards``), then every update pass.
 
     ``entries``: ``(index, ParamStep)`` of this rank's tensors, indices into the plan's
     gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
     FSDP2), which say across which ranks the rows are split and how many there are in all.
-    ``kernel_isa``: where the C++ CPU kernel takes ``kernel[position]``'s entry, both of its
-    passes run there (``cpu_kernel_factored``) on that instruction set, whatever the backend
-    (a gradient of another dtype than the parameter's takes the compiled step).
+    ``kernel``: per entry, whether the C++ CPU kernel takes it (``dispatch.AdamWPlan`` decides,
+    with ``backend="cpu"``): both of its passes then run there (``cpu_kernel_factored``), on
+    the instruction set ``kernel_isa``; a step whose gradient has another dtype than the
+    parameter takes the compiled passes.
     The column means and the normalised columns live in buffers kept from step to step.
     """
 
