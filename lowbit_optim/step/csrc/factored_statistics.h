@@ -1,20 +1,20 @@
 // The statistics pass of the factored step (lowbit_optim/step/factored.py::second_moment_means
 // and the rows' accumulate_statistic) for the CPU kernel: per row of a (rows, columns)
 // gradient, the mean of (1 - beta2) * g**2 added to the row's statistic, and per tile of rows
-// each column's float64 sum of the same terms. Included by
-// cpu_step_kernel.h once per instruction set; the operator (cpu_step_op.cpp) runs the tiles of
-// one chunk of rows in parallel and adds their column sums up in tile order, so the result does
-// not depend on the thread count.
+// each column's float64 sum of the same terms. Included by cpu_step_kernel.h once per
+// instruction set; the operator (cpu_step_op.cpp) runs the tiles of one chunk of rows in
+// parallel and adds their column sums up in tile order, so the result does not depend on the
+// thread count.
 //
 // Each term is the reference's, in float64: the gradient (negated to maximize, 0 where it is
 // not finite, plus weight_decay * param under L2 decay, weight_decay in float64), then
 // ((1 - beta2) * g) * g. The sums differ in order: sixteen float64 lanes over the columns
 // (lane k takes the columns k mod 16), combined in a fixed order, then the columns past the
-// last multiple of 16; and the terms are summed before the division by columns (or rows), where the
-// reference divides each term first. Both are within n * 2**-53 of the exact sum of n
-// non-negative terms, so once rounded to float32 they differ by at most one float32 ulp
-// (docs/cpu_kernel.md has the bound and its consequence for the parameter). In float64 no sum
-// can overflow: a term is below (2 * 3.4e38)**2 < 1e78.
+// last multiple of 16; and the terms are summed before the division by the column (or row)
+// count, where the reference divides each term first. Both are within (n + 1) * 2**-53 of the
+// exact sum of n non-negative terms, so once rounded to float32 they differ by at most one
+// float32 ulp (docs/cpu_kernel.md has the bound and its consequence for the parameter). In
+// float64 no sum can overflow: a term is below (2 * 3.4e38)**2 < 1e78.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -28,7 +28,6 @@ namespace {
 // Eight float64 lanes, as GCC's vector extension: the same lanes and order on every
 // instruction set (one AVX-512 register, two AVX2 registers, four SSE2 ones).
 typedef double Lanes8 __attribute__((vector_size(64)));
-typedef float Floats8 __attribute__((vector_size(32)));
 typedef int64_t Mask8 __attribute__((vector_size(64)));
 // The same, read and written in place at any alignment (the column sums, the gradient).
 typedef double StoredLanes8 __attribute__((vector_size(64), aligned(8), may_alias));
