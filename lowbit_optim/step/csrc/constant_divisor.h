@@ -33,14 +33,27 @@ class ConstantDivisor {
       : divisor_(divisor), reciprocal_(1.0f / divisor), by_reciprocal_(divisor >= 0x1p-60f && divisor <= 0x1p60f) {}
 
   inline typename V::F divide(typename V::F x) const {
-    using F = typename V::F;
     if (!by_reciprocal_) return V::div(x, V::set1(divisor_));
-    const F estimate = V::mul(x, V::set1(reciprocal_));
-    const F remainder = V::fnmadd(estimate, V::set1(divisor_), x);
-    return V::unless_special(V::fmadd(remainder, V::set1(reciprocal_), estimate), estimate);
+    return V::unless_special(corrected(x), estimate(x));
+  }
+
+  // The quotient with NaN made 0 and infinities clamped to +-1 (V::saturate_quotient), for
+  // values no larger than the divisor in magnitude where finite: on the reciprocal path one
+  // fix-up, from the estimate's class, does both (the estimate is NaN or infinite exactly where
+  // x is: a finite x, at most the divisor in magnitude, gives |x * y| of about 1 at most).
+  inline typename V::F divide_saturated(typename V::F x) const {
+    if (!by_reciprocal_) return V::saturate_quotient(V::div(x, V::set1(divisor_)));
+    return V::saturate_unless_special(corrected(x), estimate(x));
   }
 
  private:
+  inline typename V::F estimate(typename V::F x) const { return V::mul(x, V::set1(reciprocal_)); }
+
+  inline typename V::F corrected(typename V::F x) const {
+    const typename V::F q0 = estimate(x);
+    return V::fmadd(V::fnmadd(q0, V::set1(divisor_), x), V::set1(reciprocal_), q0);
+  }
+
   float divisor_, reciprocal_;
   bool by_reciprocal_;
 };

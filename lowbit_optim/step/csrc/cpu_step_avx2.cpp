@@ -34,6 +34,9 @@ struct Primitives {
   static inline F unless_special(F value, F estimate) {
     return select(_mm256_and_ps(isfinite(estimate), _mm256_cmp_ps(estimate, set1(0.0f), _CMP_NEQ_UQ)), value, estimate);
   }
+  static inline F saturate_unless_special(F value, F estimate) {
+    return saturate_quotient(unless_special(value, estimate));
+  }
   // The least integer at least a (a within int32's range).
   static inline I ceil_to_int(F a) { return f2i(ceil(a)); }
   // A quotient of values by one at least their finite magnitude: NaN -> 0, clamped to [-1, 1].

@@ -37,6 +37,12 @@ struct Primitives {
   static inline F unless_special(F value, F estimate) {
     return _mm512_fixupimm_ps(value, estimate, _mm512_set1_epi32(0x00110111), 0);
   }
+  // saturate_quotient(unless_special(value, estimate)) in one fix-up classifying `estimate`:
+  // QNaN, SNaN -> +0 (8); zero -> estimate (1); +1 -> value (0); -inf -> -1 (9); +inf -> +1
+  // (10); negative, positive -> value.
+  static inline F saturate_unless_special(F value, F estimate) {
+    return _mm512_fixupimm_ps(value, estimate, _mm512_set1_epi32(0x00A90188), 0);
+  }
   // The least integer at least a (a within int32's range).
   static inline I ceil_to_int(F a) { return _mm512_cvt_roundps_epi32(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   // A quotient of values by one at least their finite magnitude: NaN -> +0, +-inf -> +-1, every

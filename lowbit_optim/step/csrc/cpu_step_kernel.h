@@ -157,7 +157,7 @@ inline void with_encoder(const EncoderConstants& c, Fn&& fn) {
 // QuantFormat._normalize: an exact division (by inf for a zero scale), NaN -> 0, clamp. The
 // scale is at least every finite |x|, so a finite quotient is within [-1, 1] already (division
 // is monotone and 1 is a float): only infinities need the clamp (V::saturate_quotient).
-inline F normalize(F x, const ConstantDivisor& divisor) { return V::saturate_quotient(divisor.divide(x)); }
+inline F normalize(F x, const ConstantDivisor& divisor) { return divisor.divide_saturated(x); }
 
 inline F finite_magnitude(F x) { return V::select(V::isfinite(x), V::abs(x), V::set1(0.0f)); }
 

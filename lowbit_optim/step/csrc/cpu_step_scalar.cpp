@@ -28,6 +28,9 @@ struct V {
   static inline F fnmadd(F a, F b, F c) { return __builtin_fmaf(-a, b, c); }
   // `value` where `estimate` is a nonzero finite number, else `estimate`.
   static inline F unless_special(F value, F estimate) { return isfinite(estimate) && estimate != 0.0f ? value : estimate; }
+  static inline F saturate_unless_special(F value, F estimate) {
+    return saturate_quotient(unless_special(value, estimate));
+  }
   // The least integer at least a (a within int32's range).
   static inline I ceil_to_int(F a) { return f2i(ceil(a)); }
   // A quotient of values by one at least their finite magnitude: NaN -> 0, clamped to [-1, 1].
