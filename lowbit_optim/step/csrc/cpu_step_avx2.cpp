@@ -18,6 +18,7 @@ struct Primitives {
   using I = __m256i;
   using M = __m256;  // all-ones lanes where true
   static constexpr int W = 8;
+  static constexpr bool kDividesByReciprocal = false;  // constant_divisor.h
   static inline F set1(float x) { return _mm256_set1_ps(x); }
   static inline I set1i(int32_t x) { return _mm256_set1_epi32(x); }
   static inline F loadf(const float* p) { return _mm256_loadu_ps(p); }
@@ -27,16 +28,8 @@ struct Primitives {
   static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
   static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
+  // a * b + c, rounded once (the linear 4-bit encoder).
   static inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-  // `value` where `estimate` is a nonzero finite number, else `estimate`.
-  static inline F unless_special(F value, F estimate) {
-    return select(_mm256_and_ps(isfinite(estimate), _mm256_cmp_ps(estimate, set1(0.0f), _CMP_NEQ_UQ)), value, estimate);
-  }
-  static inline F saturate_unless_special(F value, F estimate) {
-    return saturate_quotient(unless_special(value, estimate));
-  }
   // The least integer at least a (a within int32's range).
   static inline I ceil_to_int(F a) { return f2i(ceil(a)); }
   // A quotient of values by one at least their finite magnitude: NaN -> 0, clamped to [-1, 1].

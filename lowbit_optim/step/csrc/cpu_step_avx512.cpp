@@ -18,6 +18,7 @@ struct Primitives {
   using I = __m512i;
   using M = __mmask16;
   static constexpr int W = 16;
+  static constexpr bool kDividesByReciprocal = true;  // constant_divisor.h
   static inline F set1(float x) { return _mm512_set1_ps(x); }
   static inline I set1i(int32_t x) { return _mm512_set1_epi32(x); }
   static inline F loadf(const float* p) { return _mm512_loadu_ps(p); }
@@ -27,7 +28,7 @@ struct Primitives {
   static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
   static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
+  // a * b + c and c - a * b, rounded once (constant_divisor.h, the linear 4-bit encoder).
   static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   // `value` where `estimate` is a nonzero finite number, else `estimate`: one fix-up instruction

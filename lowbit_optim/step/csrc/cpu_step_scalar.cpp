@@ -14,6 +14,7 @@ struct V {
   using I = int32_t;
   using M = bool;
   static constexpr int W = 1;
+  static constexpr bool kDividesByReciprocal = false;  // constant_divisor.h
   static inline F set1(float x) { return x; }
   static inline I set1i(int32_t x) { return x; }
   static inline F loadf(const float* p) { return *p; }
@@ -23,14 +24,8 @@ struct V {
   static inline F mul(F a, F b) { return a * b; }
   static inline F div(F a, F b) { return a / b; }
   static inline F sqrt(F a) { return __builtin_sqrtf(a); }
-  // a * b + c and c - a * b, rounded once (the only fused operations: constant_divisor.h).
+  // a * b + c, rounded once (the linear 4-bit encoder).
   static inline F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
-  static inline F fnmadd(F a, F b, F c) { return __builtin_fmaf(-a, b, c); }
-  // `value` where `estimate` is a nonzero finite number, else `estimate`.
-  static inline F unless_special(F value, F estimate) { return isfinite(estimate) && estimate != 0.0f ? value : estimate; }
-  static inline F saturate_unless_special(F value, F estimate) {
-    return saturate_quotient(unless_special(value, estimate));
-  }
   // The least integer at least a (a within int32's range).
   static inline I ceil_to_int(F a) { return f2i(ceil(a)); }
   // A quotient of values by one at least their finite magnitude: NaN -> 0, clamped to [-1, 1].
