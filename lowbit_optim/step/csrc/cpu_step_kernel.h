@@ -66,8 +66,8 @@ constexpr int kCellPositionShift = 1 + 8 + 7;
 
 // An encoder (cpu_step_args.h's Encoder) with its constants copied out of the call's arguments:
 // locals, which no store of codes can change, so the loop over a block keeps them in registers
-// and has no branch on the kind (measured: half the 4-bit step's time went to encoding while
-// the kind was a run-time value read per vector).
+// and has no branch on the kind (the profile showed the kind read and branched on, and the
+// midpoints reloaded, for every vector: the codes' stores may alias the arguments).
 template <int32_t kEncoder>
 struct BlockEncoder {
   explicit BlockEncoder(const EncoderConstants& c)
