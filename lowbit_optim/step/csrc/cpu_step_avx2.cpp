@@ -40,11 +40,9 @@ struct Primitives {
   static inline F as_float(I a) { return _mm256_castsi256_ps(a); }
   static inline F abs(F a) { return as_float(_mm256_and_si256(bits(a), set1i(0x7FFFFFFF))); }
   static inline F neg(F a) { return as_float(_mm256_xor_si256(bits(a), set1i(INT32_MIN))); }
-  static inline F floor(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
   static inline F ceil(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   static inline M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
   static inline M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
-  static inline M ge(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
   static inline M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static inline M ilt(I a, I b) { return as_float(_mm256_cmpgt_epi32(b, a)); }
   static inline M isfinite(F a) { return ilt(_mm256_and_si256(bits(a), set1i(0x7FFFFFFF)), set1i(0x7F800000)); }

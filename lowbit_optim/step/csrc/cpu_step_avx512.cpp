@@ -57,11 +57,8 @@ struct Primitives {
   static inline F as_float(I a) { return _mm512_castsi512_ps(a); }
   static inline F abs(F a) { return _mm512_castsi512_ps(_mm512_and_si512(bits(a), set1i(0x7FFFFFFF))); }
   static inline F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(bits(a), set1i(INT32_MIN))); }
-  static inline F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-  static inline F ceil(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   static inline M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   static inline M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-  static inline M ge(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
   static inline M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   static inline M isfinite(F a) {
     return _mm512_cmplt_epi32_mask(_mm512_and_si512(bits(a), set1i(0x7FFFFFFF)), set1i(0x7F800000));

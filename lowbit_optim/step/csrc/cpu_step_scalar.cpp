@@ -38,11 +38,9 @@ struct V {
   static inline F as_float(I b) { F a; std::memcpy(&a, &b, 4); return a; }
   static inline F abs(F a) { return as_float(bits(a) & 0x7FFFFFFF); }
   static inline F neg(F a) { return as_float(bits(a) ^ INT32_MIN); }
-  static inline F floor(F a) { return __builtin_floorf(a); }
   static inline F ceil(F a) { return __builtin_ceilf(a); }
   static inline M lt(F a, F b) { return a < b; }
   static inline M gt(F a, F b) { return a > b; }
-  static inline M ge(F a, F b) { return a >= b; }
   static inline M eq(F a, F b) { return a == b; }
   static inline M ilt(I a, I b) { return a < b; }
   static inline M isfinite(F a) { return (bits(a) & 0x7FFFFFFF) < 0x7F800000; }
