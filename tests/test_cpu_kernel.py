@@ -300,4 +300,4 @@ def test_float64_parameters_take_the_compiled_step(kernel):
     optimizer = AdamW8bit([param], backend="cpu")
     optimizer.step()
     plan = optimizer._caches[0].plan
-    assert plan.rule_plan.cpu_kernel == [] and len(plan.rule_plan.quantized) == 1
+    assert not plan.rule_plan.kernel_entries and len(plan.rule_plan.quantized) == 1

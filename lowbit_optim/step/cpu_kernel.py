@@ -17,6 +17,7 @@ docs/cpu_kernel.md has the build times, the formats covered and the numerics con
 
 import functools
 import hashlib
+import operator
 import os
 import pathlib
 import struct
@@ -244,20 +245,85 @@ def cpu_rule_step(param, grad, moments: tuple, values: list[torch.Tensor], *, fu
     correction (int8 or int16, ``step.master_weights``), read and written with the parameter
     as its master weight. ``formats``: the formats whose decode table and encoder each moment
     uses (default: its own). A non-contiguous parameter (or correction) steps a contiguous
-    copy, written back afterwards.
+    copy, written back afterwards. ``KernelBatch`` steps many parameters in one call.
     """
     constants = format_constants(formats or tuple(moment.format for moment in moments))
-    works = [param.detach()] + ([] if weight_correction is None else [weight_correction])
-    contiguous = [work if work.is_contiguous() else work.contiguous() for work in works]
     torch.ops.lowbit_optim.cpu_rule_step(
-        contiguous[0], grad.detach().contiguous(), [m.codes for m in moments], [m.scales for m in moments],
-        None if weight_correction is None else contiguous[1], constants.tables, constants.encoders,
-        constants.cells, values, RULE_FUNCTORS[functor], constants.kind, moments[0].block_size,
+        [param.detach()], [grad.detach()], [m.codes for m in moments], [m.scales for m in moments],
+        [] if weight_correction is None else [weight_correction], constants.tables, constants.encoders,
+        constants.cells, list(values), RULE_FUNCTORS[functor], constants.kind, moments[0].block_size,
         options.maximize, options.stochastic_round, ISAS[options.isa or default_isa()],
     )
-    for work, copy in zip(works, contiguous):
-        if copy is not work:
-            work.copy_(copy)
+
+
+class BatchEntry(NamedTuple):
+    """One parameter of a ``KernelBatch``: its index in the caller's list, the parameter, its
+    quantized moments (the rule's order), step count and master weight correction (or None)."""
+
+    index: int
+    param: torch.Tensor
+    moments: tuple
+    step: torch.Tensor
+    weight_correction: torch.Tensor | None
+
+
+_CODES = operator.attrgetter("codes")
+_SCALES = operator.attrgetter("scales")
+_DTYPE = operator.attrgetter("dtype")
+
+
+class KernelBatch:
+    """Parameters the kernel steps in one call: one rule, one set of moment ``formats``, one
+    block size, parameter dtype and correction dtype (``kernel_batches`` sorts a group's
+    parameters into them).
+
+    One call instead of one per parameter: the per-parameter cost of a call from Python (~25 us
+    of argument handling and dispatch, measured in docs/cpu_kernel.md) is paid once, and the
+    kernel spreads every parameter's blocks over the threads in one parallel loop, so a model of
+    many small parameters keeps both threads busy.
+    """
+
+    def __init__(self, entries: list[BatchEntry], functor: str, formats: tuple[QuantFormat, ...]):
+        self.indices = [entry.index for entry in entries]
+        self.params = [entry.param.detach() for entry in entries]
+        self.dtype = entries[0].param.dtype
+        self.moments = [moment for entry in entries for moment in entry.moments]
+        self.steps = [entry.step for entry in entries]
+        corrections = [entry.weight_correction for entry in entries]
+        self.corrections = [] if corrections[0] is None else corrections
+        self.functor = RULE_FUNCTORS[functor]
+        self.constants = format_constants(formats)
+        self.block_size = entries[0].moments[0].block_size
+
+    def run(self, grads: list[torch.Tensor], values_of, options: KernelOptions) -> list[int]:
+        """Step the batch's parameters with their gradients (``grads``: the caller's list, read
+        at the batch's indices) and ``values_of(step)``, the functor's values for a step count.
+        Returns the indices it left to the caller: all of them where a gradient is not of its
+        parameter's dtype (the batch was planned with ones that were; the compiled step takes
+        them)."""
+        batch_grads = [grads[i] for i in self.indices]
+        if any(dtype is not self.dtype for dtype in map(_DTYPE, batch_grads)):
+            return list(self.indices)  # bit-identical there (docs/cpu_kernel.md), only slower
+        constants = self.constants
+        torch.ops.lowbit_optim.cpu_rule_step(
+            self.params, batch_grads, [*map(_CODES, self.moments)], [*map(_SCALES, self.moments)],
+            self.corrections, constants.tables, constants.encoders, constants.cells,
+            [value for step in self.steps for value in values_of(step)], self.functor, constants.kind,
+            self.block_size, options.maximize, options.stochastic_round, ISAS[options.isa or default_isa()],
+        )
+        return []
+
+
+def kernel_batches(entries: list[BatchEntry], functor: str, formats_of) -> list[KernelBatch]:
+    """``entries`` sorted into ``KernelBatch``es, in order of first appearance (``formats_of(entry)``:
+    the formats its moments are decoded and encoded with)."""
+    batches: dict[tuple, list[BatchEntry]] = {}
+    for entry in entries:
+        correction = entry.weight_correction
+        key = (formats_of(entry), entry.moments[0].block_size, entry.param.dtype,
+               None if correction is None else correction.dtype)
+        batches.setdefault(key, []).append(entry)
+    return [KernelBatch(members, functor, key[0]) for key, members in batches.items()]
 
 
 # AdamW's functor reads its weight decay's kind as a host value (1: decoupled, 0: L2).

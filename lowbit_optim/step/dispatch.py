@@ -78,7 +78,7 @@ class AdamWPlan:
         params = params or [entry.param for entry in entries]
         triton_entries, floats, factored = [], [], []
         self.quantized: list[PlannedStep] = []  # stepped one by one
-        self.cpu_kernel: list[PlannedStep] = []  # by the C++ kernel, one by one
+        kernel_entries: list[PlannedStep] = []  # by the C++ kernel, in batches
         for index, entry in enumerate(entries):
             if not isinstance(entry.exp_avg, QuantizedState):
                 floats.append((index, entry))
@@ -91,7 +91,7 @@ class AdamWPlan:
                                           entry.exp_avg.block_size, entry.param, entry.grad)):
                 # Master weights included; every case ``supports`` turns down takes the
                 # compiled step.
-                self.cpu_kernel.append(PlannedStep(index, entry._replace(grad=None)))
+                kernel_entries.append(PlannedStep(index, entry._replace(grad=None)))
             else:
                 self.quantized.append(PlannedStep(index, entry._replace(grad=None)))
         self.float_state = []
@@ -113,7 +113,12 @@ class AdamWPlan:
         if factored:
             self.factored = FactoredParams([PlannedStep(i, entries[i]._replace(grad=None)) for i in factored],
                                            [params[i] for i in factored], kernel, kernel_isa)
-        self.isa = cpu_kernel.default_isa() if self.cpu_kernel else None
+        self.kernel_entries = dict(kernel_entries)  # the steps a batch may hand back (KernelBatch.run)
+        self.cpu_batches = cpu_kernel.kernel_batches(
+            [cpu_kernel.BatchEntry(index, entry.param, _adamw_moments(entry), entry.step,
+                                   entry.weight_correction) for index, entry in kernel_entries],
+            "adamw", _adamw_kernel_formats)
+        self.isa = cpu_kernel.default_isa() if kernel_entries else None
         self.triton_indices = triton_entries
         self.triton = None
         if triton_entries:
@@ -141,15 +146,17 @@ class AdamWPlan:
             self.factored.run(
                 "eager" if self.backend == "eager" else "compile", grads,
                 StepScalars(lr, beta1, beta2, eps, weight_decay, None), scratch, **flags)
-        for index, entry in self.cpu_kernel:
-            grad = grads[index]
-            scalars = StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step)
-            if grad.dtype != entry.param.dtype:  # planned with a gradient of the parameter's dtype
-                self._compiled_step(entry, grad, scalars, scratch, options)
-                continue
-            cpu_kernel.cpu_adamw_step(
-                entry.param, grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq, scalars,
-                **flags, isa=self.isa, weight_correction=entry.weight_correction)
+        if self.cpu_batches:
+            # AdamW's functor's values (csrc/rules/adamw.h): the group's, the step count, the decay's kind.
+            shared, decoupled = (lr, beta1, beta2, eps, weight_decay), cpu_kernel.DECOUPLED[
+                bool(options.decoupled_weight_decay)]
+            kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
+            for batch in self.cpu_batches:
+                for index in batch.run(grads, lambda step: (*shared, step, decoupled), kernel_options):
+                    entry = self.kernel_entries[index]
+                    self._compiled_step(entry, grads[index],
+                                        StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
+                                        options)
         for index, entry in self.quantized:
             scalars = StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step)
             self._compiled_step(entry, grads[index], scalars, scratch, options)
@@ -162,6 +169,18 @@ class AdamWPlan:
             triton_grads = grads if len(self.triton_indices) == len(grads) else [
                 grads[i] for i in self.triton_indices]
             self.triton.run(triton_grads, hyper, options)
+
+
+def _adamw_moments(entry: ParamStep) -> tuple:
+    maximum = () if entry.max_exp_avg_sq is None else (entry.max_exp_avg_sq,)
+    return (entry.exp_avg, entry.exp_avg_sq, *maximum)
+
+
+def _adamw_kernel_formats(entry) -> tuple:
+    """The formats the kernel decodes and encodes an AdamW parameter's moments with: amsgrad's
+    maximum with the second moment's (``cpu_kernel.cpu_adamw_step``)."""
+    exp_avg, exp_avg_sq, *maximum = entry.moments
+    return (exp_avg.format, exp_avg_sq.format, exp_avg_sq.format)[:2 + len(maximum)]
 
 
 def _adamw_moment_count(entry: ParamStep) -> int:

@@ -124,12 +124,16 @@ class RulePlan:
             self.kernel = kernels.KernelGroupPlan([kernels.KernelEntry(*entries[i])
                                                    for i in self.kernel_indices])
             self.kernel_update = kernels.KernelUpdate(rule.kernel_update)
-        # The C++ CPU kernel's (one by one): quantized parameters of a rule with a functor that
+        # The C++ CPU kernel's (in batches): quantized parameters of a rule with a functor that
         # the kernel takes.
-        self.cpu_kernel = [(index, entries[index]._replace(grad=None)) for index in quantized
-                           if backend == "cpu" and _cpu_kernel_takes(rule, entries[index])]
-        self.isa = cpu_kernel.default_isa() if self.cpu_kernel else None
-        taken = {*self.kernel_indices, *(index for index, _ in self.cpu_kernel)}
+        self.kernel_entries = {index: entries[index]._replace(grad=None) for index in quantized
+                               if backend == "cpu" and _cpu_kernel_takes(rule, entries[index])}
+        self.cpu_batches = cpu_kernel.kernel_batches(
+            [cpu_kernel.BatchEntry(index, entry.param, entry.moments, entry.step, entry.weight_correction)
+             for index, entry in self.kernel_entries.items()], rule.cpu_functor,
+            lambda entry: tuple(moment.format for moment in entry.moments))
+        self.isa = cpu_kernel.default_isa() if self.kernel_entries else None
+        taken = {*self.kernel_indices, *self.kernel_entries}
         self.quantized = [(index, entries[index]._replace(grad=None)) for index in quantized
                           if index not in taken]
         self.float_state = []
@@ -146,14 +150,10 @@ class RulePlan:
         """One step of every parameter (``scalars``: the group's ``hyperparams.GroupScalars``)."""
         constants_of = _ConstantsPerStep(self.rule, scalars)
         kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
-        for index, entry in self.cpu_kernel:
-            grad = grads[index]
-            if grad.dtype != entry.param.dtype:  # planned with a gradient of the parameter's dtype
-                self._quantized(entry._replace(grad=grad), constants_of(entry.step), options, scratch)
-                continue
-            cpu_kernel.cpu_rule_step(entry.param, grad, entry.moments, list(constants_of(entry.step)),
-                                     functor=self.rule.cpu_functor, options=kernel_options,
-                                     weight_correction=entry.weight_correction)
+        for batch in self.cpu_batches:
+            for index in batch.run(grads, constants_of, kernel_options):
+                entry = self.kernel_entries[index]
+                self._quantized(entry._replace(grad=grads[index]), constants_of(entry.step), options, scratch)
         for index, entry in self.quantized:
             self._quantized(entry._replace(grad=grads[index]), constants_of(entry.step), options, scratch)
         for indices, step, float_step in self.float_state:

@@ -1,10 +1,12 @@
 // The operator lowbit_optim::cpu_rule_step: checks its inputs, reads the rule's host values
-// (0-d CPU tensors) once, picks the instruction-set path and runs it over the blocks with
-// at::parallel_for (so torch.set_num_threads governs it). Each block is computed alone, so the
-// result does not depend on the thread count. The rule's functor (rules/*.h) forms its
-// constants from the host values in each task. AdamWFactored4bit's two passes have operators
-// of their own on the same entry points: cpu_factored_step (the block step with the factored
-// functor and the parameter's statistics) and cpu_factored_statistics (tiles of rows).
+// (0-d CPU tensors) once per parameter, picks the instruction-set path and runs it over the
+// blocks of every parameter of the call with one at::parallel_for (so torch.set_num_threads
+// governs it, and a call over many parameters pays one fork and join, not one per parameter).
+// Each block is computed alone, so the result does not depend on the thread count. The rule's
+// functor (rules/*.h) forms its constants from the host values in each task.
+// AdamWFactored4bit's two passes have operators of their own on the same entry points:
+// cpu_factored_step (the block step with the factored functor and the parameter's statistics)
+// and cpu_factored_statistics (tiles of rows).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -53,7 +55,13 @@ EncoderConstants read_encoder(const float* values) {
 
 double scalar_of(const at::Tensor& t) {
   TORCH_CHECK(t.numel() == 1 && t.device().is_cpu(), "cpu_rule_step: the rule's values must be 1-element CPU tensors");
-  return t.item<double>();
+  // Read in place where the dtype is known: item() is a dispatcher call, and a call over many
+  // parameters reads seven values for each.
+  switch (t.scalar_type()) {
+    case at::kDouble: return *t.const_data_ptr<double>();
+    case at::kFloat: return *t.const_data_ptr<float>();
+    default: return t.item<double>();
+  }
 }
 
 void check_block_state(const at::Tensor& codes, const at::Tensor& scales, int64_t num_blocks,
@@ -167,27 +175,78 @@ StepArgs rule_args(at::Tensor param, const at::Tensor& grad, at::TensorList code
   return a;
 }
 
-// Every block of a.param, with the path of `isa`, threaded over blocks.
-void run_blocks(const StepArgs& a, int64_t isa) {
+// Every block of every parameter of `steps`, with the path of `isa`, in one parallel loop over
+// tasks of about 64K elements: large enough that a task's overhead is negligible, small enough
+// that a few large parameters still spread over every thread; a parameter smaller than a task
+// is one task, so many small ones spread too.
+void run_blocks(const std::vector<StepArgs>& steps, int64_t isa) {
+  if (steps.empty()) return;
   RangeFn run = range_of(isa);
+  const StepArgs& first = steps.front();  // every parameter of a call shares kind and block size
   const int64_t width = isa == kAvx512 ? 16 : isa == kAvx2 ? 8 : 1;
-  const int64_t vector_span = a.kind == kNibble4 ? a.block_size / 2 : a.block_size;
+  const int64_t vector_span = first.kind == kNibble4 ? first.block_size / 2 : first.block_size;
   if (vector_span % width != 0) run = scalar_range();  // a block the vectors do not tile
-  // About 64K elements per task: large enough that a task's overhead is negligible, small
-  // enough that a few large parameters still spread over every thread.
-  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / a.block_size);
-  const int64_t num_blocks = (a.numel + a.block_size - 1) / a.block_size;
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) { run(a, begin, end); });
+  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / first.block_size);
+  // first_task[i]: the index of parameter i's first task; its tasks are `grain` blocks each.
+  std::vector<int64_t> first_task(steps.size() + 1, 0);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const int64_t num_blocks = (steps[i].numel + steps[i].block_size - 1) / steps[i].block_size;
+    first_task[i + 1] = first_task[i] + (num_blocks + grain - 1) / grain;
+  }
+  at::parallel_for(0, first_task.back(), 1, [&](int64_t begin, int64_t end) {
+    size_t i = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= first_task[i + 1]) ++i;
+      const int64_t num_blocks = (steps[i].numel + steps[i].block_size - 1) / steps[i].block_size;
+      const int64_t first_block = (task - first_task[i]) * grain;
+      run(steps[i], first_block, std::min(num_blocks, first_block + grain));
+    }
+  });
 }
 
-void cpu_rule_step(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
-                   const c10::optional<at::Tensor>& weight_correction, at::TensorList tables,
-                   const at::Tensor& encoders, at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind,
-                   int64_t block_size, bool maximize, bool stochastic_round, int64_t isa) {
+// One step of every parameter of the call (param-major lists: moment_count codes and scales,
+// and value_count values, per parameter; one weight correction per parameter or none), all
+// with the same rule, state kind, block size, moment formats and flags. A non-contiguous
+// parameter or correction steps a contiguous copy, written back afterwards.
+void cpu_rule_step(at::TensorList params, at::TensorList grads, at::TensorList codes, at::TensorList scales,
+                   at::TensorList weight_corrections, at::TensorList tables, const at::Tensor& encoders,
+                   at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind, int64_t block_size,
+                   bool maximize, bool stochastic_round, int64_t isa) {
   TORCH_CHECK(rule != kAdamWFactored, "cpu_rule_step: the factored rule's step is cpu_factored_step");
-  run_blocks(rule_args(param, grad, codes, scales, weight_correction, tables, encoders, cells, values, rule, kind,
-                       block_size, maximize, stochastic_round),
-             isa);
+  const size_t count = params.size();
+  TORCH_CHECK(count >= 1 && grads.size() == count, "cpu_rule_step: one gradient per parameter, got ", grads.size(),
+              " for ", count, " parameters");
+  TORCH_CHECK(codes.size() % count == 0 && scales.size() == codes.size() && values.size() % count == 0 &&
+                  (weight_corrections.empty() || weight_corrections.size() == count),
+              "cpu_rule_step: codes, scales and values must come as many per parameter (", count,
+              " parameters, ", codes.size(), " codes, ", scales.size(), " scales, ", values.size(),
+              " values), and one weight correction per parameter or none");
+  const size_t moments = codes.size() / count, value_count = values.size() / count;
+  std::vector<at::Tensor> works, contiguous_grads, work_corrections;
+  works.reserve(count);
+  contiguous_grads.reserve(count);
+  work_corrections.reserve(weight_corrections.size());
+  std::vector<StepArgs> steps;
+  steps.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    works.push_back(params[i].contiguous());
+    contiguous_grads.push_back(grads[i].contiguous());
+    c10::optional<at::Tensor> correction;
+    if (!weight_corrections.empty()) {
+      work_corrections.push_back(weight_corrections[i].contiguous());
+      correction = work_corrections.back();
+    }
+    steps.push_back(rule_args(works.back(), contiguous_grads.back(), codes.slice(i * moments, moments),
+                              scales.slice(i * moments, moments), correction, tables, encoders, cells,
+                              values.slice(i * value_count, value_count), rule, kind, block_size, maximize,
+                              stochastic_round));
+  }
+  run_blocks(steps, isa);
+  for (size_t i = 0; i < count; ++i) {
+    if (!works[i].is_same(params[i])) params[i].copy_(works[i]);
+    if (!weight_corrections.empty() && !work_corrections[i].is_same(weight_corrections[i]))
+      weight_corrections[i].copy_(work_corrections[i]);
+  }
 }
 
 void check_statistic(const at::Tensor& statistic, int64_t size, const char* name) {
@@ -216,7 +275,7 @@ void cpu_factored_step(at::Tensor param, const at::Tensor& grad, at::TensorList 
   a.factored.col_normalized = col_normalized.data_ptr<float>();
   a.factored.rows = rows;
   a.factored.columns = columns;
-  run_blocks(a, isa);
+  run_blocks({a}, isa);
 }
 
 // The statistics pass (factored_statistics.h) of a (rows, columns) gradient, `param` read
@@ -292,10 +351,9 @@ void cpu_factored_statistics(const at::Tensor& param, const at::Tensor& grad, at
 
 TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
   m.def(
-      "cpu_rule_step(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, "
-      "Tensor(d!)? weight_correction, Tensor[] tables, Tensor encoders, Tensor[] cells, Tensor[] values, int rule, "
-      "int kind, "
-      "int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
+      "cpu_rule_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] codes, Tensor(c!)[] scales, "
+      "Tensor(d!)[] weight_corrections, Tensor[] tables, Tensor encoders, Tensor[] cells, Tensor[] values, "
+      "int rule, int kind, int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
   m.def(
       "cpu_factored_step(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, "
       "Tensor(d!)? weight_correction, Tensor row, Tensor col_normalized, Tensor[] tables, Tensor encoders, "
