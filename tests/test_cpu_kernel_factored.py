@@ -10,7 +10,7 @@ equality: every instruction-set path, odd shapes (columns that are not a multipl
 partial last blocks, blocks spanning several rows, a 3-D parameter), NaN, ±inf and 1e30
 gradients, maximize, L2 decay, bf16 and fp16 parameters rounded or with master weights, a
 learning rate that changes each step. Those runs take the reference's own statistics pass
-(``compiled_statistics``, ``eager_statistics``), so that only the element pass differs.
+(``reference_statistics``), so that only the element pass differs.
 
 The statistics pass (``csrc/factored_statistics.h``) sums the reference's float64 terms in
 another order, so a statistic may differ by one float32 ulp per step (docs/cpu_kernel.md gives
@@ -28,7 +28,7 @@ from helpers import assert_same_state, available_isas, make_scalars
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
 from lowbit_optim.step import chunks, cpu_kernel
-from lowbit_optim.step.chunks import ParamStep, TailScratch
+from lowbit_optim.step.chunks import ParamStep, PlannedStep, TailScratch
 from lowbit_optim.step.dispatch import AdamWPlan
 from lowbit_optim.step.factored import FactoredParams
 from lowbit_optim.step.math import host_adam_ratio_bound
@@ -94,10 +94,18 @@ def run(backend: str, *, dtype=torch.float32, steps=STEPS, shapes=SHAPES, state=
 _SCRATCH = TailScratch()
 
 
-def compiled_statistics(self, entry, hyper, column_means, all_rows, *, flags):
-    """The compiled statistics pass in the kernel's place (only the element pass then differs)."""
-    FactoredParams._accumulate_statistics("compile", entry, hyper, column_means, all_rows, _SCRATCH,
-                                          flags=flags)
+def reference_statistics(backend: str):
+    """``FactoredParams._kernel_statistics`` replaced by the reference's statistics pass
+    (``"compile"`` or ``"eager"``), so that only the element pass differs."""
+
+    def statistics(self, kernel, grads, hyper, *, flags):
+        for position, (index, entry) in enumerate(self.entries):
+            if kernel[position]:
+                FactoredParams._accumulate_statistics(
+                    backend, entry._replace(grad=grads[index]), hyper, self.column_means[position],
+                    self.all_rows[position], _SCRATCH, flags=flags)
+
+    return statistics
 
 
 @functools.cache
@@ -115,7 +123,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def assert_element_pass_matches_compiled(monkeypatch, isa, **kwargs):
     monkeypatch.setenv(ISA_ENV, isa)
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", compiled_statistics)
+    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("compile"))
     params, state, optimizer = run("cpu", **kwargs)
     assert kernel_entries(optimizer) == len(SHAPES)
     expected_params, expected_state = compiled(**kwargs)
@@ -145,12 +153,6 @@ def use_ieee_sqrt(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "sqrt", lambda self: eager_sqrt(self.double()).to(self.dtype))
 
 
-def eager_statistics(self, entry, hyper, column_means, all_rows, *, flags):
-    """The eager statistics pass in the kernel's place (only the element pass then differs)."""
-    FactoredParams._accumulate_statistics("eager", entry, hyper, column_means, all_rows, _SCRATCH,
-                                          flags=flags)
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_element_pass_variants_match_eager_step(monkeypatch, variant):
     """Maximize, L2 decay, bfloat16 and float16 parameters rounded or with their master
@@ -161,7 +163,7 @@ def test_element_pass_variants_match_eager_step(monkeypatch, variant):
     it runs here with a correctly rounded one. Compiling a reference per variant instead cost
     about 70 s of the suite's cold run."""
     use_ieee_sqrt(monkeypatch)
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", eager_statistics)
+    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("eager"))
     expected_params, expected_state, _ = run("eager", **VARIANTS[variant])
     for isa in {cpu_kernel.default_isa(), "scalar"}:
         monkeypatch.setenv(ISA_ENV, isa)
@@ -238,13 +240,12 @@ def test_statistics_of_a_row_shard_in_chunks_match_compiled_pass(monkeypatch, fl
         factored = FactoredState.zeros(param.shape)
         factored.row.copy_(torch.rand(20, generator=torch.Generator().manual_seed(6)))
         exp_avg = QuantizedState.zeros(param.shape, AdamWFactored4bit.exp_avg_format, 128)  # its format only
-        entry = ParamStep(param, grad, exp_avg, factored, None, hyper.step)
-        column_means = torch.empty(70)
-        if kernel:
-            FactoredParams([], [])._kernel_statistics(entry, hyper, column_means, 50, flags=flags)
-        else:
-            compiled_statistics(None, entry, hyper, column_means, 50, flags=flags)
-        results.append((factored.row, column_means))
+        entry = PlannedStep(0, ParamStep(param, None, exp_avg, factored, None, hyper.step))
+        params = FactoredParams([entry], [param], kernel=[True], kernel_isa=cpu_kernel.default_isa())
+        params.all_rows = [50]  # the whole parameter's rows: this shard holds 20
+        statistics = FactoredParams._kernel_statistics if kernel else reference_statistics("compile")
+        statistics(params, [True], [grad], hyper, flags=flags)
+        results.append((factored.row, params.column_means[0]))
     (row, columns), (expected_row, expected_columns) = results
     assert ulps_apart(row, expected_row) <= 1
     assert ulps_apart(columns, expected_columns) <= 5
@@ -254,7 +255,7 @@ def test_statistics_of_a_row_shard_in_chunks_match_compiled_pass(monkeypatch, fl
 def test_bf16_stochastic_rounding_stays_within_one_ulp(monkeypatch):
     """The kernel's random bits are its own: parameters are one of the two bfloat16 neighbours
     of the rounded step's update, and not all of them on it; the first moment is unchanged."""
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", compiled_statistics)
+    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("compile"))
     bf16 = dict(dtype=torch.bfloat16, steps=1)
     rounded, rounded_state, _ = run("cpu", **bf16)
     torch.manual_seed(3)
@@ -290,7 +291,7 @@ def test_bit_identical_at_1_and_3_threads():
 def test_checkpoints_move_between_kernel_and_compiled_step(monkeypatch):
     """A state saved by either backend continues on the other as on its own (the element pass
     exact: the compiled statistics in both)."""
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", compiled_statistics)
+    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("compile"))
 
     def train(backends):
         _, state, _ = run(backends[0], steps=2)

@@ -77,7 +77,16 @@ def saturate_float32(values: torch.Tensor) -> torch.Tensor:
 def accumulate_statistic(statistic: torch.Tensor, beta2, mean: torch.Tensor) -> None:
     """``statistic = beta2 * statistic + mean`` in place, saturated at the largest float32
     (two saturated values would add to inf)."""
-    statistic.mul_(beta2).add_(mean).clamp_(max=torch.finfo(torch.float32).max)
+    accumulate_statistics([statistic], beta2, [mean])
+
+
+def accumulate_statistics(statistics: list[torch.Tensor], beta2, means: list[torch.Tensor]) -> None:
+    """``accumulate_statistic`` of each statistic with its mean: three calls for the list (on
+    the CPU the foreach operations run each tensor's own operation, so the values are the
+    same)."""
+    torch._foreach_mul_(statistics, beta2)
+    torch._foreach_add_(statistics, means)
+    torch._foreach_clamp_max_(statistics, torch.finfo(torch.float32).max)
 
 
 class FactoredBlocks(NamedTuple):
@@ -238,28 +247,23 @@ class FactoredParams:
         kernel = [taken and grads[index].dtype == entry.param.dtype
                   for taken, (index, entry) in zip(self.kernel, self.entries)]
         for position, (index, entry) in enumerate(self.entries):
-            entry = entry._replace(grad=grads[index])
-            if kernel[position]:
-                self._kernel_statistics(entry, hyper, self.column_means[position], self.all_rows[position],
-                                        flags=flags)
-                continue
-            self._accumulate_statistics(backend, entry, hyper, self.column_means[position],
-                                        self.all_rows[position], scratch, flags=flags)
+            if not kernel[position]:
+                self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper,
+                                            self.column_means[position], self.all_rows[position], scratch,
+                                            flags=flags)
+        if any(kernel):
+            self._kernel_statistics(kernel, grads, hyper, flags=flags)
         for flat, groups in self.reductions:
             sharding.sum_across_shards(flat, groups)
+        accumulate_statistics([entry.exp_avg_sq.col for _, entry in self.entries], hyper.beta2,
+                              self.column_means)
         # The bias corrections and Adam's bound depend on the step count only, which the
         # parameters of a plan nearly always share: worked out once per count, not per
         # parameter (a dozen 0-d host operations each).
         step_scalars = {}
         for position, (index, entry) in enumerate(self.entries):
-            factored = entry.exp_avg_sq
-            accumulate_statistic(factored.col, hyper.beta2, self.column_means[position])
-            normalized_columns(factored.col, out=self.normalized_columns[position])
+            normalized_columns(entry.exp_avg_sq.col, out=self.normalized_columns[position])
             if kernel[position]:
-                cpu_kernel_factored.factored_step(
-                    entry.param, grads[index], entry.exp_avg, factored.row, self.normalized_columns[position],
-                    hyper._replace(step=entry.step), stochastic_round=stochastic_round, isa=self.kernel_isa,
-                    weight_correction=entry.weight_correction, **flags)
                 continue
             count = float(entry.step)
             if count not in step_scalars:
@@ -268,19 +272,41 @@ class FactoredParams:
             self._update(backend, entry._replace(grad=grads[index]), hyper, step_scalars[count],
                          self.normalized_columns[position], scratch,
                          stochastic_round=stochastic_round, flags=flags)
+        if any(kernel):
+            self._kernel_update(kernel, grads, hyper, stochastic_round=stochastic_round, flags=flags)
 
-    def _kernel_statistics(self, entry, hyper, column_means, all_rows: int, *, flags) -> None:
-        """Pass 1 in the C++ kernel: ``_accumulate_statistics``' result, each statistic within
-        one float32 ulp of it (docs/cpu_kernel.md)."""
-        factored = entry.exp_avg_sq
-        rows, columns = factored.row.numel(), factored.col.numel()
-        param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
-        if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
-            param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
-        cpu_kernel_factored.factored_statistics(
-            param_matrix, entry.grad.detach().reshape(rows, columns), factored.row, column_means,
-            beta2=hyper.beta2, weight_decay=hyper.weight_decay, all_rows=all_rows, isa=self.kernel_isa,
-            **flags)
+    def _kernel_statistics(self, kernel: list[bool], grads, hyper, *, flags) -> None:
+        """Pass 1 of the parameters the C++ kernel takes, in one call: ``_accumulate_statistics``'
+        result, each statistic within one float32 ulp of it (docs/cpu_kernel.md)."""
+        inputs = []
+        for position, (index, entry) in enumerate(self.entries):
+            if not kernel[position]:
+                continue
+            factored = entry.exp_avg_sq
+            rows, columns = factored.row.numel(), factored.col.numel()
+            param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
+            if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
+                param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
+            inputs.append(cpu_kernel_factored.StatisticsInputs(
+                param_matrix, grads[index].reshape(rows, columns), factored.row, self.column_means[position],
+                self.all_rows[position]))
+        cpu_kernel_factored.factored_statistics(inputs, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+                                                isa=self.kernel_isa, **flags)
+
+    def _kernel_update(self, kernel: list[bool], grads, hyper, *, stochastic_round: bool, flags) -> None:
+        """The update pass of the parameters the C++ kernel takes: one call per first-moment
+        format, block size and presence of a master weight correction."""
+        calls: dict[tuple, list] = {}
+        for position, (index, entry) in enumerate(self.entries):
+            if kernel[position]:
+                key = (entry.exp_avg.format, entry.exp_avg.block_size, entry.weight_correction is None)
+                calls.setdefault(key, []).append(cpu_kernel_factored.UpdateInputs(
+                    entry.param, grads[index], entry.exp_avg, entry.exp_avg_sq.row,
+                    self.normalized_columns[position], entry.step, entry.weight_correction))
+        scalars = (hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
+        for inputs in calls.values():
+            cpu_kernel_factored.factored_step(inputs, scalars, stochastic_round=stochastic_round,
+                                              isa=self.kernel_isa, **flags)
 
     @staticmethod
     def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,

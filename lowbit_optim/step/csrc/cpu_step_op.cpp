@@ -204,49 +204,66 @@ void run_blocks(const std::vector<StepArgs>& steps, int64_t isa) {
   });
 }
 
-// One step of every parameter of the call (param-major lists: moment_count codes and scales,
-// and value_count values, per parameter; one weight correction per parameter or none), all
-// with the same rule, state kind, block size, moment formats and flags. A non-contiguous
-// parameter or correction steps a contiguous copy, written back afterwards.
+// The parameters of one call, checked, as StepArgs (param-major lists: moment_count codes and
+// scales, and value_count values, per parameter; one weight correction per parameter or none),
+// all with the same rule, state kind, block size, moment formats and flags. A non-contiguous
+// parameter or correction steps a contiguous copy, which write_back copies into it.
+struct StepBatch {
+  StepBatch(at::TensorList params, at::TensorList grads, at::TensorList codes, at::TensorList scales,
+            at::TensorList weight_corrections, at::TensorList tables, const at::Tensor& encoders,
+            at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind, int64_t block_size,
+            bool maximize, bool stochastic_round)
+      : params(params), weight_corrections(weight_corrections) {
+    const size_t count = params.size();
+    TORCH_CHECK(count >= 1 && grads.size() == count, "cpu_rule_step: one gradient per parameter, got ",
+                grads.size(), " for ", count, " parameters");
+    TORCH_CHECK(codes.size() % count == 0 && scales.size() == codes.size() && values.size() % count == 0 &&
+                    (weight_corrections.empty() || weight_corrections.size() == count),
+                "cpu_rule_step: codes, scales and values must come as many per parameter (", count,
+                " parameters, ", codes.size(), " codes, ", scales.size(), " scales, ", values.size(),
+                " values), and one weight correction per parameter or none");
+    const size_t moments = codes.size() / count, value_count = values.size() / count;
+    works.reserve(count);
+    contiguous_grads.reserve(count);
+    work_corrections.reserve(weight_corrections.size());
+    steps.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      works.push_back(params[i].contiguous());
+      contiguous_grads.push_back(grads[i].contiguous());
+      c10::optional<at::Tensor> correction;
+      if (!weight_corrections.empty()) {
+        work_corrections.push_back(weight_corrections[i].contiguous());
+        correction = work_corrections.back();
+      }
+      steps.push_back(rule_args(works.back(), contiguous_grads.back(), codes.slice(i * moments, moments),
+                                scales.slice(i * moments, moments), correction, tables, encoders, cells,
+                                values.slice(i * value_count, value_count), rule, kind, block_size, maximize,
+                                stochastic_round));
+    }
+  }
+
+  void write_back() const {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!works[i].is_same(params[i])) params[i].copy_(works[i]);
+      if (!weight_corrections.empty() && !work_corrections[i].is_same(weight_corrections[i]))
+        weight_corrections[i].copy_(work_corrections[i]);
+    }
+  }
+
+  at::TensorList params, weight_corrections;
+  std::vector<at::Tensor> works, contiguous_grads, work_corrections;
+  std::vector<StepArgs> steps;
+};
+
 void cpu_rule_step(at::TensorList params, at::TensorList grads, at::TensorList codes, at::TensorList scales,
                    at::TensorList weight_corrections, at::TensorList tables, const at::Tensor& encoders,
                    at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind, int64_t block_size,
                    bool maximize, bool stochastic_round, int64_t isa) {
   TORCH_CHECK(rule != kAdamWFactored, "cpu_rule_step: the factored rule's step is cpu_factored_step");
-  const size_t count = params.size();
-  TORCH_CHECK(count >= 1 && grads.size() == count, "cpu_rule_step: one gradient per parameter, got ", grads.size(),
-              " for ", count, " parameters");
-  TORCH_CHECK(codes.size() % count == 0 && scales.size() == codes.size() && values.size() % count == 0 &&
-                  (weight_corrections.empty() || weight_corrections.size() == count),
-              "cpu_rule_step: codes, scales and values must come as many per parameter (", count,
-              " parameters, ", codes.size(), " codes, ", scales.size(), " scales, ", values.size(),
-              " values), and one weight correction per parameter or none");
-  const size_t moments = codes.size() / count, value_count = values.size() / count;
-  std::vector<at::Tensor> works, contiguous_grads, work_corrections;
-  works.reserve(count);
-  contiguous_grads.reserve(count);
-  work_corrections.reserve(weight_corrections.size());
-  std::vector<StepArgs> steps;
-  steps.reserve(count);
-  for (size_t i = 0; i < count; ++i) {
-    works.push_back(params[i].contiguous());
-    contiguous_grads.push_back(grads[i].contiguous());
-    c10::optional<at::Tensor> correction;
-    if (!weight_corrections.empty()) {
-      work_corrections.push_back(weight_corrections[i].contiguous());
-      correction = work_corrections.back();
-    }
-    steps.push_back(rule_args(works.back(), contiguous_grads.back(), codes.slice(i * moments, moments),
-                              scales.slice(i * moments, moments), correction, tables, encoders, cells,
-                              values.slice(i * value_count, value_count), rule, kind, block_size, maximize,
-                              stochastic_round));
-  }
-  run_blocks(steps, isa);
-  for (size_t i = 0; i < count; ++i) {
-    if (!works[i].is_same(params[i])) params[i].copy_(works[i]);
-    if (!weight_corrections.empty() && !work_corrections[i].is_same(weight_corrections[i]))
-      weight_corrections[i].copy_(work_corrections[i]);
-  }
+  const StepBatch batch(params, grads, codes, scales, weight_corrections, tables, encoders, cells, values, rule,
+                        kind, block_size, maximize, stochastic_round);
+  run_blocks(batch.steps, isa);
+  batch.write_back();
 }
 
 void check_statistic(const at::Tensor& statistic, int64_t size, const char* name) {
@@ -255,27 +272,32 @@ void check_statistic(const at::Tensor& statistic, int64_t size, const char* name
               "cpu_factored: ", name, " must be ", size, " contiguous float32 CPU values");
 }
 
-// AdamWFactored4bit's element pass (rules/adamw_factored.h): the block step of the first
-// moment with each element's second moment row[i] * col_normalized[j] of the (rows, columns)
-// view of the parameter, columns = col_normalized's length.
-void cpu_factored_step(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
-                       const c10::optional<at::Tensor>& weight_correction, const at::Tensor& row,
-                       const at::Tensor& col_normalized, at::TensorList tables, const at::Tensor& encoders,
-                       at::TensorList cells, at::TensorList values, int64_t kind, int64_t block_size, bool maximize,
-                       bool stochastic_round, int64_t isa) {
-  StepArgs a = rule_args(param, grad, codes, scales, weight_correction, tables, encoders, cells, values,
-                         kAdamWFactored, kind, block_size, maximize, stochastic_round);
-  const int64_t rows = row.numel(), columns = col_normalized.numel();
-  TORCH_CHECK(rows >= 1 && columns >= 1 && rows * columns == param.numel(),
-              "cpu_factored_step: ", rows, " rows and ", columns, " columns do not make param's ", param.numel(),
-              " elements");
-  check_statistic(row, rows, "row");
-  check_statistic(col_normalized, columns, "col_normalized");
-  a.factored.row = row.data_ptr<float>();
-  a.factored.col_normalized = col_normalized.data_ptr<float>();
-  a.factored.rows = rows;
-  a.factored.columns = columns;
-  run_blocks({a}, isa);
+// AdamWFactored4bit's element pass (rules/adamw_factored.h) of every parameter of the call (as
+// cpu_rule_step's lists, with each parameter's row statistics and normalised columns): the
+// block step of the first moment with each element's second moment row[i] * col_normalized[j]
+// of the (rows, columns) view of the parameter, columns = col_normalized's length.
+void cpu_factored_step(at::TensorList params, at::TensorList grads, at::TensorList codes, at::TensorList scales,
+                       at::TensorList weight_corrections, at::TensorList rows, at::TensorList col_normalized,
+                       at::TensorList tables, const at::Tensor& encoders, at::TensorList cells, at::TensorList values,
+                       int64_t kind, int64_t block_size, bool maximize, bool stochastic_round, int64_t isa) {
+  StepBatch batch(params, grads, codes, scales, weight_corrections, tables, encoders, cells, values, kAdamWFactored,
+                  kind, block_size, maximize, stochastic_round);
+  TORCH_CHECK(rows.size() == params.size() && col_normalized.size() == params.size(),
+              "cpu_factored_step: one row statistic and one normalised column per parameter");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t row_count = rows[i].numel(), columns = col_normalized[i].numel();
+    TORCH_CHECK(row_count >= 1 && columns >= 1 && row_count * columns == params[i].numel(), "cpu_factored_step: ",
+                row_count, " rows and ", columns, " columns do not make param's ", params[i].numel(), " elements");
+    check_statistic(rows[i], row_count, "row");
+    check_statistic(col_normalized[i], columns, "col_normalized");
+    FactoredArgs& f = batch.steps[i].factored;
+    f.row = rows[i].data_ptr<float>();
+    f.col_normalized = col_normalized[i].data_ptr<float>();
+    f.rows = row_count;
+    f.columns = columns;
+  }
+  run_blocks(batch.steps, isa);
+  batch.write_back();
 }
 
 // The statistics pass (factored_statistics.h) of a (rows, columns) gradient, `param` read
@@ -284,9 +306,9 @@ void cpu_factored_step(at::Tensor param, const at::Tensor& grad, at::TensorList 
 // and column_means set to this shard's share of the column means: a chunk of chunk_rows rows
 // at a time, the chunk's column sums divided by all_rows, saturated to float32 and added up in
 // float32 (saturated), as lowbit_optim/step/factored.py accumulates them.
-void cpu_factored_statistics(const at::Tensor& param, const at::Tensor& grad, at::Tensor row,
-                             at::Tensor column_means, at::TensorList values, int64_t all_rows, int64_t chunk_rows,
-                             bool maximize, bool decoupled, int64_t isa) {
+void factored_statistics(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& row,
+                         const at::Tensor& column_means, at::TensorList values, int64_t all_rows, int64_t chunk_rows,
+                         bool maximize, bool decoupled, int64_t isa) {
   const int64_t rows = row.numel(), columns = column_means.numel();
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == rows * columns && rows >= 1,
               "cpu_factored_statistics: grad must be a contiguous CPU tensor of rows * columns elements");
@@ -346,6 +368,21 @@ void cpu_factored_statistics(const at::Tensor& param, const at::Tensor& grad, at
   }
 }
 
+// factored_statistics of every parameter of the call, one after another (lists of one entry
+// per parameter; values: beta2 and weight_decay, shared).
+void cpu_factored_statistics(at::TensorList params, at::TensorList grads, at::TensorList rows,
+                             at::TensorList column_means, at::TensorList values, at::IntArrayRef all_rows,
+                             at::IntArrayRef chunk_rows, bool maximize, bool decoupled, int64_t isa) {
+  const size_t count = params.size();
+  TORCH_CHECK(grads.size() == count && rows.size() == count && column_means.size() == count &&
+                  all_rows.size() == count && chunk_rows.size() == count,
+              "cpu_factored_statistics: one gradient, row statistic, column means, row count and chunk per "
+              "parameter");
+  for (size_t i = 0; i < count; ++i)
+    factored_statistics(params[i].contiguous(), grads[i].contiguous(), rows[i], column_means[i], values,
+                        all_rows[i], chunk_rows[i], maximize, decoupled, isa);
+}
+
 }  // namespace
 }  // namespace lowbit_cpu
 
@@ -355,12 +392,12 @@ TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
       "Tensor(d!)[] weight_corrections, Tensor[] tables, Tensor encoders, Tensor[] cells, Tensor[] values, "
       "int rule, int kind, int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
   m.def(
-      "cpu_factored_step(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, "
-      "Tensor(d!)? weight_correction, Tensor row, Tensor col_normalized, Tensor[] tables, Tensor encoders, "
+      "cpu_factored_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] codes, Tensor(c!)[] scales, "
+      "Tensor(d!)[] weight_corrections, Tensor[] rows, Tensor[] col_normalized, Tensor[] tables, Tensor encoders, "
       "Tensor[] cells, Tensor[] values, int kind, int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
   m.def(
-      "cpu_factored_statistics(Tensor param, Tensor grad, Tensor(a!) row, Tensor(b!) column_means, "
-      "Tensor[] values, int all_rows, int chunk_rows, bool maximize, bool decoupled, int isa) -> ()");
+      "cpu_factored_statistics(Tensor[] params, Tensor[] grads, Tensor(a!)[] rows, Tensor(b!)[] column_means, "
+      "Tensor[] values, int[] all_rows, int[] chunk_rows, bool maximize, bool decoupled, int isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_optim, CPU, m) {
