@@ -67,6 +67,9 @@ struct Primitives {
     F high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), index);
     return _mm256_blendv_ps(low, high, as_float(_mm256_slli_epi32(index, 28)));  // bit 3 -> sign
   }
+  static inline F lookup8(const float* table, I index) {
+    return _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), index);
+  }
   static inline F gather256(const float* table, I index) { return _mm256_i32gather_ps(table, index, 4); }
   static inline I gather_i32(const int32_t* table, I index) { return _mm256_i32gather_epi32(table, index, 4); }
   static inline I load_u8(const uint8_t* p) {

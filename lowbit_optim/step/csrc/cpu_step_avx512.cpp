@@ -81,6 +81,11 @@ struct Primitives {
   static inline I iadd_if(M m, I a) { return _mm512_mask_add_epi32(a, m, a, set1i(1)); }
   static inline I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   static inline F lookup16(const float* table, I index) { return _mm512_permutexvar_ps(index, _mm512_loadu_ps(table)); }
+  // The 4-bit search's 8-entry lookup (cpu_step_kernel.h) for narrower paths; here lookup16
+  // serves, and this only has to compile.
+  static inline F lookup8(const float* table, I index) {
+    return _mm512_permutexvar_ps(index, _mm512_castps256_ps512(_mm256_loadu_ps(table)));
+  }
   static inline F gather256(const float* table, I index) { return _mm512_i32gather_ps(index, table, 4); }
   static inline I gather_i32(const int32_t* table, I index) { return _mm512_i32gather_epi32(index, table, 4); }
   static inline I load_u8(const uint8_t* p) {
