@@ -300,7 +300,7 @@ def test_float64_parameters_take_the_compiled_step(kernel):
     optimizer = AdamW8bit([param], backend="cpu")
     optimizer.step()
     plan = optimizer._caches[0].plan
-    assert not plan.rule_plan.kernel_entries and len(plan.rule_plan.quantized) == 1
+    assert not plan.rule_plan.cpu_indices and len(plan.rule_plan.quantized) == 1
 
 
 def test_a_mixed_group_steps_in_one_call_per_dtype_as_one_by_one(kernel):

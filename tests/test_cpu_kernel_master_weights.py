@@ -231,7 +231,7 @@ def test_optimizer_with_master_weights_takes_the_kernel_and_matches_compiled(ker
 
     model, optimizer = run("cpu")
     plan = optimizer._caches[0].plan
-    assert len(plan.rule_plan.kernel_entries) == 1 and plan.rule_plan.quantized == []
+    assert len(plan.rule_plan.cpu_indices) == 1 and plan.rule_plan.quantized == []
     reference_model, reference_optimizer = run("compile")
     for param, expected in zip(model.parameters(), reference_model.parameters()):
         assert torch.equal(param.view(torch.int16), expected.view(torch.int16))

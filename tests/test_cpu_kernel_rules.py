@@ -63,7 +63,7 @@ def gradient(shape, dtype, generator) -> torch.Tensor:
 
 def kernel_entries(optimizer) -> int:
     """How many parameters the optimizer's plans step in the C++ kernel."""
-    return sum(len(cache.plan.rule_plan.kernel_entries) for cache in optimizer._caches)
+    return sum(len(cache.plan.rule_plan.cpu_indices) for cache in optimizer._caches)
 
 
 def run(cls, backend: str, *, dtype=torch.float32, steps=STEPS, shapes=SHAPES, **kwargs):
@@ -174,8 +174,8 @@ def test_float64_parameters_take_the_compiled_step():
         exp_avg = QuantizedState.zeros(param.shape, DYNAMIC_8BIT_SIGNED, 256, dtype=dtype)
         entry = RuleEntry(param, torch.ones_like(param), (exp_avg,), torch.tensor(1.0))
         plans[dtype] = RulePlan(LION_RULE, [entry], "cpu")
-    assert not plans[torch.float64].kernel_entries and len(plans[torch.float64].quantized) == 1
-    assert len(plans[torch.float32].kernel_entries) == 1 and not plans[torch.float32].quantized
+    assert not plans[torch.float64].cpu_indices and len(plans[torch.float64].quantized) == 1
+    assert len(plans[torch.float32].cpu_indices) == 1 and not plans[torch.float32].quantized
 
 
 @pytest.mark.parametrize("cls", [Lion4bit, AdEMAMix8bit], ids=lambda c: c.__name__)

@@ -269,7 +269,6 @@ class BatchEntry(NamedTuple):
 
 _CODES = operator.attrgetter("codes")
 _SCALES = operator.attrgetter("scales")
-_DTYPE = operator.attrgetter("dtype")
 
 
 class KernelBatch:
@@ -286,7 +285,6 @@ class KernelBatch:
     def __init__(self, entries: list[BatchEntry], functor: str, formats: tuple[QuantFormat, ...]):
         self.indices = [entry.index for entry in entries]
         self.params = [entry.param.detach() for entry in entries]
-        self.dtype = entries[0].param.dtype
         self.moments = [moment for entry in entries for moment in entry.moments]
         self.steps = [entry.step for entry in entries]
         corrections = [entry.weight_correction for entry in entries]
@@ -295,23 +293,18 @@ class KernelBatch:
         self.constants = format_constants(formats)
         self.block_size = entries[0].moments[0].block_size
 
-    def run(self, grads: list[torch.Tensor], values_of, options: KernelOptions) -> list[int]:
+    def run(self, grads: list[torch.Tensor], values_of, options: KernelOptions) -> None:
         """Step the batch's parameters with their gradients (``grads``: the caller's list, read
-        at the batch's indices) and ``values_of(step)``, the functor's values for a step count.
-        Returns the indices it left to the caller: all of them where a gradient is not of its
-        parameter's dtype (the batch was planned with ones that were; the compiled step takes
-        them)."""
-        batch_grads = [grads[i] for i in self.indices]
-        if any(dtype is not self.dtype for dtype in map(_DTYPE, batch_grads)):
-            return list(self.indices)  # bit-identical there (docs/cpu_kernel.md), only slower
+        at the batch's indices; each of its parameter's dtype, as the step checks before any
+        plan steps) and ``values_of(step)``, the functor's values for a step count."""
         constants = self.constants
         torch.ops.lowbit_optim.cpu_rule_step(
-            self.params, batch_grads, [*map(_CODES, self.moments)], [*map(_SCALES, self.moments)],
-            self.corrections, constants.tables, constants.encoders, constants.cells,
-            [value for step in self.steps for value in values_of(step)], self.functor, constants.kind,
-            self.block_size, options.maximize, options.stochastic_round, ISAS[options.isa or default_isa()],
+            self.params, [grads[i] for i in self.indices], [*map(_CODES, self.moments)],
+            [*map(_SCALES, self.moments)], self.corrections, constants.tables, constants.encoders,
+            constants.cells, [value for step in self.steps for value in values_of(step)], self.functor,
+            constants.kind, self.block_size, options.maximize, options.stochastic_round,
+            ISAS[options.isa or default_isa()],
         )
-        return []
 
 
 def kernel_batches(entries: list[BatchEntry], functor: str, formats_of) -> list[KernelBatch]:

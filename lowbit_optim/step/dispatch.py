@@ -91,7 +91,7 @@ class AdamWPlan:
                                           entry.exp_avg.block_size, entry.param, entry.grad)):
                 # Master weights included; every case ``supports`` turns down takes the
                 # compiled step.
-                kernel_entries.append(PlannedStep(index, entry._replace(grad=None)))
+                kernel_entries.append(PlannedStep(index, entry))
             else:
                 self.quantized.append(PlannedStep(index, entry._replace(grad=None)))
         self.float_state = []
@@ -113,7 +113,7 @@ class AdamWPlan:
         if factored:
             self.factored = FactoredParams([PlannedStep(i, entries[i]._replace(grad=None)) for i in factored],
                                            [params[i] for i in factored], kernel, kernel_isa)
-        self.kernel_entries = dict(kernel_entries)  # the steps a batch may hand back (KernelBatch.run)
+        self.cpu_indices = [index for index, _ in kernel_entries]
         self.cpu_batches = cpu_kernel.kernel_batches(
             [cpu_kernel.BatchEntry(index, entry.param, _adamw_moments(entry), entry.step,
                                    entry.weight_correction) for index, entry in kernel_entries],
@@ -152,11 +152,7 @@ class AdamWPlan:
                 bool(options.decoupled_weight_decay)]
             kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
             for batch in self.cpu_batches:
-                for index in batch.run(grads, lambda step: (*shared, step, decoupled), kernel_options):
-                    entry = self.kernel_entries[index]
-                    self._compiled_step(entry, grads[index],
-                                        StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step), scratch,
-                                        options)
+                batch.run(grads, lambda step: (*shared, step, decoupled), kernel_options)
         for index, entry in self.quantized:
             scalars = StepScalars(lr, beta1, beta2, eps, weight_decay, entry.step)
             self._compiled_step(entry, grads[index], scalars, scratch, options)

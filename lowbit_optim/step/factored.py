@@ -213,8 +213,7 @@ class FactoredParams:
     FSDP2), which say across which ranks the rows are split and how many there are in all.
     ``kernel``: per entry, whether the C++ CPU kernel takes it (``dispatch.AdamWPlan`` decides,
     with ``backend="cpu"``): both of its passes then run there (``cpu_kernel_factored``), on
-    the instruction set ``kernel_isa``; a step whose gradient has another dtype than the
-    parameter takes the compiled passes.
+    the instruction set ``kernel_isa``.
     The column means and the normalised columns live in buffers kept from step to step.
     """
 
@@ -244,8 +243,7 @@ class FactoredParams:
         """One step of every factored parameter (``hyper``: a ``math.StepScalars``
         whose ``step`` is ignored: each entry has its own)."""
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
-        kernel = [taken and grads[index].dtype == entry.param.dtype
-                  for taken, (index, entry) in zip(self.kernel, self.entries)]
+        kernel = self.kernel
         for position, (index, entry) in enumerate(self.entries):
             if not kernel[position]:
                 self._accumulate_statistics(backend, entry._replace(grad=grads[index]), hyper,

@@ -126,14 +126,14 @@ class RulePlan:
             self.kernel_update = kernels.KernelUpdate(rule.kernel_update)
         # The C++ CPU kernel's (in batches): quantized parameters of a rule with a functor that
         # the kernel takes.
-        self.kernel_entries = {index: entries[index]._replace(grad=None) for index in quantized
-                               if backend == "cpu" and _cpu_kernel_takes(rule, entries[index])}
+        self.cpu_indices = [index for index in quantized
+                            if backend == "cpu" and _cpu_kernel_takes(rule, entries[index])]
         self.cpu_batches = cpu_kernel.kernel_batches(
-            [cpu_kernel.BatchEntry(index, entry.param, entry.moments, entry.step, entry.weight_correction)
-             for index, entry in self.kernel_entries.items()], rule.cpu_functor,
-            lambda entry: tuple(moment.format for moment in entry.moments))
-        self.isa = cpu_kernel.default_isa() if self.kernel_entries else None
-        taken = {*self.kernel_indices, *self.kernel_entries}
+            [cpu_kernel.BatchEntry(index, entries[index].param, entries[index].moments, entries[index].step,
+                                   entries[index].weight_correction) for index in self.cpu_indices],
+            rule.cpu_functor, lambda entry: tuple(moment.format for moment in entry.moments))
+        self.isa = cpu_kernel.default_isa() if self.cpu_indices else None
+        taken = {*self.kernel_indices, *self.cpu_indices}
         self.quantized = [(index, entries[index]._replace(grad=None)) for index in quantized
                           if index not in taken]
         self.float_state = []
@@ -151,9 +151,7 @@ class RulePlan:
         constants_of = _ConstantsPerStep(self.rule, scalars)
         kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
         for batch in self.cpu_batches:
-            for index in batch.run(grads, constants_of, kernel_options):
-                entry = self.kernel_entries[index]
-                self._quantized(entry._replace(grad=grads[index]), constants_of(entry.step), options, scratch)
+            batch.run(grads, constants_of, kernel_options)
         for index, entry in self.quantized:
             self._quantized(entry._replace(grad=grads[index]), constants_of(entry.step), options, scratch)
         for indices, step, float_step in self.float_state:
