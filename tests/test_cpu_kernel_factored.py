@@ -9,8 +9,8 @@ statistics the first moment's codes and scales and the parameters are compared f
 equality: every instruction-set path, odd shapes (columns that are not a multiple of the block,
 partial last blocks, blocks spanning several rows, a 3-D parameter), NaN, ±inf and 1e30
 gradients, maximize, L2 decay, bf16 and fp16 parameters rounded or with master weights, a
-learning rate that changes each step. Those runs take the reference's own statistics pass
-(``reference_statistics``), so that only the element pass differs.
+learning rate that changes each step. Those runs take the reference's own statistics pass and
+column normalisation (``use_reference_statistics``), so that only the element pass differs.
 
 The statistics pass (``csrc/factored_statistics.h``) sums the reference's float64 terms in
 another order, so a statistic may differ by one float32 ulp per step (docs/cpu_kernel.md gives
@@ -27,10 +27,11 @@ from conftest import num_threads
 from helpers import assert_same_state, available_isas, make_scalars
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
-from lowbit_optim.step import chunks, cpu_kernel
+from lowbit_optim.state.factored import normalized_columns
+from lowbit_optim.step import chunks, cpu_kernel, cpu_kernel_factored
 from lowbit_optim.step.chunks import ParamStep, PlannedStep, TailScratch
 from lowbit_optim.step.dispatch import AdamWPlan
-from lowbit_optim.step.factored import FactoredParams
+from lowbit_optim.step.factored import FactoredParams, accumulate_statistics
 from lowbit_optim.step.math import host_adam_ratio_bound
 
 # (33, 70): 2310 = 18 * 128 + 6, columns not a multiple of the block; (12, 300): columns above
@@ -108,6 +109,22 @@ def reference_statistics(backend: str):
     return statistics
 
 
+def reference_columns(self, kernel, hyper):
+    """``FactoredParams._kernel_columns`` replaced by the foreach accumulation and
+    ``normalized_columns`` the other backends run."""
+    positions = [position for position, by_kernel in enumerate(kernel) if by_kernel]
+    accumulate_statistics([self.entries[p][1].exp_avg_sq.col for p in positions], hyper.beta2,
+                          [self.column_means[p] for p in positions])
+    for position in positions:
+        normalized_columns(self.entries[position][1].exp_avg_sq.col, out=self.normalized_columns[position])
+
+
+def use_reference_statistics(monkeypatch, backend: str) -> None:
+    """The kernel's statistics pass and column normalisation replaced by the reference's."""
+    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics(backend))
+    monkeypatch.setattr(FactoredParams, "_kernel_columns", reference_columns)
+
+
 @functools.cache
 def compiled(**kwargs):
     """The reference run (shared by every instruction set's comparison)."""
@@ -123,7 +140,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def assert_element_pass_matches_compiled(monkeypatch, isa, **kwargs):
     monkeypatch.setenv(ISA_ENV, isa)
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("compile"))
+    use_reference_statistics(monkeypatch, "compile")
     params, state, optimizer = run("cpu", **kwargs)
     assert kernel_entries(optimizer) == len(SHAPES)
     expected_params, expected_state = compiled(**kwargs)
@@ -163,7 +180,7 @@ def test_element_pass_variants_match_eager_step(monkeypatch, variant):
     it runs here with a correctly rounded one. Compiling a reference per variant instead cost
     about 70 s of the suite's cold run."""
     use_ieee_sqrt(monkeypatch)
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("eager"))
+    use_reference_statistics(monkeypatch, "eager")
     expected_params, expected_state, _ = run("eager", **VARIANTS[variant])
     for isa in {cpu_kernel.default_isa(), "scalar"}:
         monkeypatch.setenv(ISA_ENV, isa)
@@ -255,7 +272,7 @@ def test_statistics_of_a_row_shard_in_chunks_match_compiled_pass(monkeypatch, fl
 def test_bf16_stochastic_rounding_stays_within_one_ulp(monkeypatch):
     """The kernel's random bits are its own: parameters are one of the two bfloat16 neighbours
     of the rounded step's update, and not all of them on it; the first moment is unchanged."""
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("compile"))
+    use_reference_statistics(monkeypatch, "compile")
     bf16 = dict(dtype=torch.bfloat16, steps=1)
     rounded, rounded_state, _ = run("cpu", **bf16)
     torch.manual_seed(3)
@@ -270,6 +287,38 @@ def test_bf16_stochastic_rounding_stays_within_one_ulp(monkeypatch):
         assert distance.max() <= 1
         moved += int(distance.sum())
     assert moved > 100
+
+
+def test_column_statistics_accumulate_as_foreach_and_normalise_within_one_ulp():
+    """``cpu_factored_columns`` against the foreach accumulation and ``normalized_columns``: the
+    accumulated columns bit for bit (zeros, NaN, inf and a saturating sum included), the
+    normalised ones within one float32 ulp (the mean's float64 sum in another order)."""
+    generator = torch.Generator().manual_seed(0)
+    beta2 = torch.tensor(0.999, dtype=torch.float64)
+    cols, means = [], []
+    for length in (1, 7, 64, 1000, 40000):  # statistics over twelve decades
+        cols.append(10 ** (torch.rand(length, generator=generator) * 12 - 8))
+        means.append(10 ** (torch.rand(length, generator=generator) * 12 - 10))
+    cols.append(torch.zeros(50))  # no gradient seen yet
+    means.append(torch.zeros(50))
+    cols.append(torch.full((30,), 3e38))  # beta2 * 3e38 + 3e38 overflows: the largest float32
+    means.append(torch.full((30,), 3e38))
+    special = torch.rand(40, generator=generator)
+    special[3], special[9] = float("nan"), float("inf")
+    cols.append(special)
+    means.append(torch.rand(40, generator=generator))
+    expected = [col.clone() for col in cols]
+    accumulate_statistics(expected, beta2, means)
+    expected_normalized = [normalized_columns(col) for col in expected]
+    normalized = [torch.empty_like(col) for col in cols]
+    cpu_kernel_factored.factored_columns(cols, means, normalized, beta2=beta2)
+    for col, expected_col in zip(cols, expected):
+        assert torch.equal(bits(col), bits(expected_col))
+    assert torch.equal(cols[-2], torch.full((30,), torch.finfo(torch.float32).max))
+    assert not normalized[-3].any()
+    assert normalized[-1].isnan().all()
+    for values, expected_values in zip(normalized[:-1], expected_normalized[:-1]):
+        assert (bits(values) - bits(expected_values)).abs().max() <= 1
 
 
 def test_bit_identical_at_1_and_3_threads():
@@ -291,7 +340,7 @@ def test_bit_identical_at_1_and_3_threads():
 def test_checkpoints_move_between_kernel_and_compiled_step(monkeypatch):
     """A state saved by either backend continues on the other as on its own (the element pass
     exact: the compiled statistics in both)."""
-    monkeypatch.setattr(FactoredParams, "_kernel_statistics", reference_statistics("compile"))
+    use_reference_statistics(monkeypatch, "compile")
 
     def train(backends):
         _, state, _ = run(backends[0], steps=2)

@@ -94,7 +94,7 @@ def load() -> bool:
             RuntimeWarning, stacklevel=2,
         )
         return False
-    for op in ("cpu_rule_step", "cpu_factored_step", "cpu_factored_statistics"):
+    for op in ("cpu_rule_step", "cpu_factored_step", "cpu_factored_statistics", "cpu_factored_columns"):
         torch.library.register_fake(f"lowbit_optim::{op}")(_fake_step)
     return True
 

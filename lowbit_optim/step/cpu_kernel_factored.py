@@ -6,6 +6,7 @@ is paid once per step, not once per parameter).
 row statistics and of the column means' shares, for whole parameters
 (``csrc/factored_statistics.h``): the same float64 terms, summed in another order
 (docs/cpu_kernel.md: at most one float32 ulp per statistic apart from the compiled step's).
+``factored_columns`` accumulates and normalises the column statistics between the passes.
 ``factored_step`` is ``factored.factored_adamw_step`` over every block of the parameters in one
 pass (``csrc/rules/adamw_factored.h``, on the kernel's block step with its policies and master
 weights): bit for bit the compiled step's for the same statistics.
@@ -44,6 +45,15 @@ def factored_statistics(inputs: list[StatisticsInputs], *, beta2: torch.Tensor, 
         [i.all_rows for i in inputs],
         [max(1, chunks.CHUNK_ELEMENTS // i.grad_matrix.shape[1]) for i in inputs], maximize,
         decoupled_weight_decay, ISAS[isa or default_isa()])
+
+
+def factored_columns(cols: list[torch.Tensor], column_means: list[torch.Tensor],
+                     col_normalized: list[torch.Tensor], *, beta2: torch.Tensor) -> None:
+    """Between the passes, each parameter's column statistic accumulated in place
+    (``factored.accumulate_statistics``, the same float32 operations) and normalised into its
+    ``col_normalized`` buffer (``state.factored.normalized_columns``, the mean summed in index
+    order: within one float32 ulp of torch's, docs/cpu_kernel.md), in one call."""
+    torch.ops.lowbit_optim.cpu_factored_columns(cols, column_means, col_normalized, beta2)
 
 
 class UpdateInputs(NamedTuple):

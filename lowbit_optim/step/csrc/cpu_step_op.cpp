@@ -6,7 +6,8 @@
 // functor (rules/*.h) forms its constants from the host values in each task.
 // AdamWFactored4bit's two passes have operators of their own on the same entry points:
 // cpu_factored_step (the block step with the factored functor and the parameter's statistics)
-// and cpu_factored_statistics (tiles of rows).
+// and cpu_factored_statistics (tiles of rows); cpu_factored_columns, between them, accumulates
+// and normalises the column statistics.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -383,6 +384,41 @@ void cpu_factored_statistics(at::TensorList params, at::TensorList grads, at::Te
                         all_rows[i], chunk_rows[i], maximize, decoupled, isa);
 }
 
+// Between the two passes, for every parameter of the call: its column statistic accumulated,
+// col = min(beta2 * col + column_means, float32 max) in place (factored.accumulate_statistics:
+// the same float32 operations, beta2 rounded to float32 as torch rounds a 0-d float64 factor),
+// then col_normalized = col / max(mean(col), tiny) (state/factored.py's normalized_columns): the
+// mean in float64, its sum in index order where torch's follows its reduction's tiling, so it
+// may round to the neighbouring float32 (docs/cpu_kernel.md bounds it), then divided in float32.
+void cpu_factored_columns(at::TensorList cols, at::TensorList column_means, at::TensorList col_normalized,
+                          const at::Tensor& beta2) {
+  TORCH_CHECK(column_means.size() == cols.size() && col_normalized.size() == cols.size(),
+              "cpu_factored_columns: one column mean and one normalised column buffer per column statistic");
+  const float decay = static_cast<float>(scalar_of(beta2));
+  constexpr float kFloat32Max = 3.4028234663852886e+38f;
+  constexpr double kTiny = 1.1754943508222875e-38;  // torch.finfo(torch.float32).tiny
+  for (size_t i = 0; i < cols.size(); ++i) {
+    const int64_t columns = cols[i].numel();
+    TORCH_CHECK(columns >= 1, "cpu_factored_columns: an empty column statistic");
+    check_statistic(cols[i], columns, "col");
+    check_statistic(column_means[i], columns, "column_means");
+    check_statistic(col_normalized[i], columns, "col_normalized");
+    float* col = cols[i].data_ptr<float>();
+    const float* means = column_means[i].const_data_ptr<float>();
+    double sum = 0.0;
+    for (int64_t j = 0; j < columns; ++j) {
+      const float accumulated = decay * col[j] + means[j];  // two roundings: -ffp-contract=off
+      col[j] = accumulated > kFloat32Max ? kFloat32Max : accumulated;  // NaN kept, as clamp_max keeps it
+      sum += col[j];
+    }
+    double mean = sum / static_cast<double>(columns);
+    mean = mean < kTiny ? kTiny : mean;  // NaN kept, as clamp_min keeps it
+    const float divisor = static_cast<float>(mean);
+    float* normalized = col_normalized[i].data_ptr<float>();
+    for (int64_t j = 0; j < columns; ++j) normalized[j] = col[j] / divisor;
+  }
+}
+
 }  // namespace
 }  // namespace lowbit_cpu
 
@@ -398,10 +434,14 @@ TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
   m.def(
       "cpu_factored_statistics(Tensor[] params, Tensor[] grads, Tensor(a!)[] rows, Tensor(b!)[] column_means, "
       "Tensor[] values, int[] all_rows, int[] chunk_rows, bool maximize, bool decoupled, int isa) -> ()");
+  m.def(
+      "cpu_factored_columns(Tensor(a!)[] cols, Tensor[] column_means, Tensor(b!)[] col_normalized, "
+      "Tensor beta2) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_optim, CPU, m) {
   m.impl("cpu_rule_step", &lowbit_cpu::cpu_rule_step);
   m.impl("cpu_factored_step", &lowbit_cpu::cpu_factored_step);
   m.impl("cpu_factored_statistics", &lowbit_cpu::cpu_factored_statistics);
+  m.impl("cpu_factored_columns", &lowbit_cpu::cpu_factored_columns);
 }
