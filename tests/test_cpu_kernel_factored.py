@@ -28,7 +28,7 @@ from helpers import assert_same_state, available_isas, make_scalars
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
 from lowbit_optim.state.factored import normalized_columns
-from lowbit_optim.step import chunks, cpu_kernel, cpu_kernel_factored
+from lowbit_optim.step import chunks, cpu_kernel
 from lowbit_optim.step.chunks import ParamStep, PlannedStep, TailScratch
 from lowbit_optim.step.dispatch import AdamWPlan
 from lowbit_optim.step.factored import FactoredParams, accumulate_statistics
@@ -258,8 +258,10 @@ def test_statistics_of_a_row_shard_in_chunks_match_compiled_pass(monkeypatch, fl
         factored.row.copy_(torch.rand(20, generator=torch.Generator().manual_seed(6)))
         exp_avg = QuantizedState.zeros(param.shape, AdamWFactored4bit.exp_avg_format, 128)  # its format only
         entry = PlannedStep(0, ParamStep(param, None, exp_avg, factored, None, hyper.step))
-        params = FactoredParams([entry], [param], kernel=[True], kernel_isa=cpu_kernel.default_isa())
-        params.all_rows = [50]  # the whole parameter's rows: this shard holds 20
+        # The parameter as the optimizer holds it says how many rows there are in all (a
+        # DTensor's global shape under FSDP2): 50, of which this shard holds 20.
+        whole = torch.empty(50, 70)
+        params = FactoredParams([entry], [whole], kernel=[True], kernel_isa=cpu_kernel.default_isa())
         statistics = FactoredParams._kernel_statistics if kernel else reference_statistics("compile")
         statistics(params, [True], [grad], hyper, flags=flags)
         results.append((factored.row, params.column_means[0]))
@@ -311,7 +313,7 @@ def test_column_statistics_accumulate_as_foreach_and_normalise_within_one_ulp():
     accumulate_statistics(expected, beta2, means)
     expected_normalized = [normalized_columns(col) for col in expected]
     normalized = [torch.empty_like(col) for col in cols]
-    cpu_kernel_factored.factored_columns(cols, means, normalized, beta2=beta2)
+    torch.ops.lowbit_optim.cpu_factored_columns(cols, means, normalized, beta2)
     for col, expected_col in zip(cols, expected):
         assert torch.equal(bits(col), bits(expected_col))
     assert torch.equal(cols[-2], torch.full((30,), torch.finfo(torch.float32).max))

@@ -9,8 +9,9 @@ changed in place, ``load_state_dict``, ``add_param_group``, ``copy.deepcopy``, a
 change, misaligned gradients) the two must agree bit for bit: the same kernels on the same
 inputs, so any difference is a stale pointer or a stale kind. The Triton kernel runs under
 the interpreter (``TRITON_INTERPRET=1``, small shapes); the float-state parameters run for
-real. Counting tests stub the launch and count plans, layout builds and host-to-device
-copies per step.
+real; AdamWFactored4bit's C++ CPU kernel, which keeps its operators' argument lists with the
+plan, runs the same changes. Counting tests stub the launch and count plans, layout builds and
+host-to-device copies per step.
 """
 
 import copy
@@ -18,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from lowbit_optim import AdamW4bit, AdamW8bit, QuantizedState
+from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, FactoredState, QuantizedState
 from lowbit_optim.step.kernels import launcher
 from lowbit_optim.step.kernels import layout as layouts
 
@@ -40,9 +41,9 @@ def make_params(seed=0, dtype=torch.float32):
 class Pair:
     """A planning optimizer and one that plans from scratch at every step, kept in lockstep."""
 
-    def __init__(self, cls, **options):
+    def __init__(self, cls, backend="triton", **options):
         self.params = {"cached": make_params(), "fresh": make_params()}
-        self.optimizers = {name: cls(params, min_quant_size=MIN_QUANT_SIZE, backend="triton", **options)
+        self.optimizers = {name: cls(params, min_quant_size=MIN_QUANT_SIZE, backend=backend, **options)
                            for name, params in self.params.items()}
         self.generator = torch.Generator().manual_seed(1)
 
@@ -72,6 +73,8 @@ class Pair:
                 x, y = state_a[key], state_b[key]
                 if isinstance(x, QuantizedState):
                     assert torch.equal(x.codes, y.codes) and torch.equal(x.scales, y.scales), (index, key)
+                elif isinstance(x, FactoredState):
+                    assert torch.equal(x.row, y.row) and torch.equal(x.col, y.col), (index, key)
                 else:
                     assert torch.equal(x, y), (index, key)
 
@@ -152,6 +155,21 @@ def test_a_change_between_steps_is_never_served_stale(change):
     pair = Pair(cls, lr=1e-2)
     pair.step()
     pair.step()  # the plan is reused here
+    pair.apply(CHANGES[change])
+    pair.step(new_grads=False)
+    pair.step()
+
+
+@pytest.mark.parametrize("change", list(CHANGES), ids=str)
+def test_a_change_between_steps_is_never_served_stale_by_the_factored_cpu_kernel(change):
+    """AdamWFactored4bit in the C++ CPU kernel keeps its operators' argument lists with its plan
+    (``cpu_kernel_factored.FactoredKernel``): after each change the plan is rebuilt, or the
+    lists still hold what it steps."""
+    pair = Pair(AdamWFactored4bit, backend="cpu", lr=1e-2)
+    pair.step()
+    factored = pair.optimizers["cached"]._caches[0].plan.rule_plan.factored
+    assert factored.kernel == [True, True]  # (16, 64) and (48, 40)
+    pair.step()
     pair.apply(CHANGES[change])
     pair.step(new_grads=False)
     pair.step()

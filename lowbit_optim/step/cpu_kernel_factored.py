@@ -1,90 +1,132 @@
-"""``AdamWFactored4bit``'s step in the C++ CPU kernel (``cpu_kernel``): its two passes, each one
-call for every parameter it steps (as ``cpu_kernel.KernelBatch``: the per-call cost from Python
-is paid once per step, not once per parameter).
+"""``AdamWFactored4bit``'s step in the C++ CPU kernel (``cpu_kernel``): ``FactoredKernel`` runs its
+two passes and the column statistics between them, each one call for every parameter it steps
+(as ``cpu_kernel.KernelBatch``: the per-call cost from Python is paid once per step, not once per
+parameter, and the lists each call passes are made once per plan).
 
-``factored_statistics`` is ``factored.second_moment_means`` followed by the accumulation of the
+``FactoredKernel.statistics`` is ``factored.second_moment_means`` followed by the accumulation of the
 row statistics and of the column means' shares, for whole parameters
 (``csrc/factored_statistics.h``): the same float64 terms, summed in another order
 (docs/cpu_kernel.md: at most one float32 ulp per statistic apart from the compiled step's).
-``factored_columns`` accumulates and normalises the column statistics between the passes.
-``factored_step`` is ``factored.factored_adamw_step`` over every block of the parameters in one
+``FactoredKernel.columns`` accumulates and normalises the column statistics between the passes.
+``FactoredKernel.update`` is ``factored.factored_adamw_step`` over every block of the parameters in one
 pass (``csrc/rules/adamw_factored.h``, on the kernel's block step with its policies and master
 weights): bit for bit the compiled step's for the same statistics.
 """
 
+import operator
 from typing import NamedTuple
 
 import torch
 
 from lowbit_optim.step import chunks
 from lowbit_optim.step.cpu_kernel import DECOUPLED, ISAS, default_isa, format_constants
+from lowbit_optim.step.master_weights import read_master
+
+_CODES = operator.attrgetter("codes")
+_SCALES = operator.attrgetter("scales")
+_ROW = operator.attrgetter("row")
+_COL = operator.attrgetter("col")
 
 
-class StatisticsInputs(NamedTuple):
-    """One parameter's share of the statistics pass: its ``(rows, columns)`` gradient, the
-    parameter read under L2 decay (the gradient's dtype, or a float32 master weight), its row
-    statistics (updated in place), the buffer its column means' share goes to, and how many
-    rows the whole parameter has (an FSDP2 shard holds some of them)."""
+class KernelEntry(NamedTuple):
+    """One factored parameter the kernel steps: its index in the step's gradient list, the
+    parameter, its first moment (a 4-bit ``QuantizedState``) and factored second moment
+    (``FactoredState``), its step count and master weight correction (or None), the buffers
+    its column means' share and its normalised columns go to, and how many rows the whole
+    parameter has (an FSDP2 shard holds some of them)."""
 
-    param_matrix: torch.Tensor
-    grad_matrix: torch.Tensor
-    row: torch.Tensor
+    index: int
+    param: torch.Tensor
+    exp_avg: object
+    exp_avg_sq: object
+    step: torch.Tensor
+    weight_correction: torch.Tensor | None
     column_means: torch.Tensor
+    col_normalized: torch.Tensor
     all_rows: int
 
 
-def factored_statistics(inputs: list[StatisticsInputs], *, beta2: torch.Tensor, weight_decay: torch.Tensor,
-                        maximize: bool, decoupled_weight_decay: bool, isa: str | None = None) -> None:
-    """Pass 1 for each parameter: each row's mean of ``(1 - beta2) * g**2`` accumulated into its
-    row statistics (``factored.accumulate_statistic``), and its column means' share set, over
-    ``all_rows`` rows, a chunk of rows (``chunks.CHUNK_ELEMENTS``) at a time as the compiled
-    pass adds them (float32, saturated at the largest float32)."""
-    torch.ops.lowbit_optim.cpu_factored_statistics(
-        [i.param_matrix.detach() for i in inputs], [i.grad_matrix.detach() for i in inputs],
-        [i.row for i in inputs], [i.column_means for i in inputs], [beta2, weight_decay],
-        [i.all_rows for i in inputs],
-        [max(1, chunks.CHUNK_ELEMENTS // i.grad_matrix.shape[1]) for i in inputs], maximize,
-        decoupled_weight_decay, ISAS[isa or default_isa()])
+class _UpdateCall(NamedTuple):
+    """The parameters one ``cpu_factored_step`` call updates: their first moments share a
+    format and block size, and all have a master weight correction or none."""
+
+    indices: list[int]
+    params: list[torch.Tensor]
+    exp_avgs: list
+    exp_avg_sqs: list
+    col_normalized: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    corrections: list[torch.Tensor]
 
 
-def factored_columns(cols: list[torch.Tensor], column_means: list[torch.Tensor],
-                     col_normalized: list[torch.Tensor], *, beta2: torch.Tensor) -> None:
-    """Between the passes, each parameter's column statistic accumulated in place
-    (``factored.accumulate_statistics``, the same float32 operations) and normalised into its
-    ``col_normalized`` buffer (``state.factored.normalized_columns``, the mean summed in index
-    order: within one float32 ulp of torch's, docs/cpu_kernel.md), in one call."""
-    torch.ops.lowbit_optim.cpu_factored_columns(cols, column_means, col_normalized, beta2)
+class FactoredKernel:
+    """The kernel's passes over a plan's factored parameters (``entries``), on the instruction
+    set ``isa`` (a key of ``cpu_kernel.ISAS``; None: ``cpu_kernel.default_isa()``). The
+    operators read the parameters, gradients and statistics as flat contiguous tensors of
+    ``rows * columns`` elements (the row and column statistics give the shape). The lists hold
+    the plan's tensors and state objects, which live as long as the plan
+    (``plan.GroupPlan.matches``)."""
 
+    def __init__(self, entries: list[KernelEntry], isa: str | None = None):
+        self.isa = ISAS[isa or default_isa()]
+        self.indices = [entry.index for entry in entries]
+        self.params = [entry.param.detach() for entry in entries]
+        self.corrections = [entry.weight_correction for entry in entries]
+        self.exp_avg_sqs = [entry.exp_avg_sq for entry in entries]
+        self.column_means = [entry.column_means for entry in entries]
+        self.col_normalized = [entry.col_normalized for entry in entries]
+        self.all_rows = [entry.all_rows for entry in entries]
+        calls: dict[tuple, list[KernelEntry]] = {}
+        for entry in entries:
+            key = (entry.exp_avg.format, entry.exp_avg.block_size, entry.weight_correction is None)
+            calls.setdefault(key, []).append(entry)
+        self.update_calls = [
+            _UpdateCall([e.index for e in members], [e.param.detach() for e in members],
+                        [e.exp_avg for e in members], [e.exp_avg_sq for e in members],
+                        [e.col_normalized for e in members], [e.step for e in members],
+                        [] if key[2] else [e.weight_correction for e in members])
+            for key, members in calls.items()
+        ]
 
-class UpdateInputs(NamedTuple):
-    """One parameter's share of the update pass: the parameter and its gradient, its first
-    moment (a 4-bit ``QuantizedState``), this step's row statistics and normalised columns
-    (``col / mean(col)``), its step count and its master weight correction (or None)."""
+    def statistics(self, grads: list[torch.Tensor], hyper, *, maximize: bool,
+                   decoupled_weight_decay: bool) -> None:
+        """Pass 1 for each parameter: each row's mean of ``(1 - beta2) * g**2`` accumulated into
+        its row statistics (``factored.accumulate_statistic``), and its column means' share set,
+        over ``all_rows`` rows, a chunk of rows (``chunks.CHUNK_ELEMENTS``) at a time as the
+        compiled pass adds them (float32, saturated at the largest float32). Under L2 decay a
+        parameter with a master weight correction is read as its float32 master weight."""
+        params = self.params
+        if not decoupled_weight_decay:
+            params = [param if correction is None else read_master(param, correction)
+                      for param, correction in zip(params, self.corrections)]
+        columns = [col.numel() for col in map(_COL, self.exp_avg_sqs)]
+        torch.ops.lowbit_optim.cpu_factored_statistics(
+            params, [grads[i] for i in self.indices], [*map(_ROW, self.exp_avg_sqs)], self.column_means,
+            [hyper.beta2, hyper.weight_decay], self.all_rows,
+            [max(1, chunks.CHUNK_ELEMENTS // count) for count in columns], maximize, decoupled_weight_decay,
+            self.isa)
 
-    param: torch.Tensor
-    grad: torch.Tensor
-    exp_avg: object
-    row: torch.Tensor
-    col_normalized: torch.Tensor
-    step: torch.Tensor
-    weight_correction: torch.Tensor | None
+    def columns(self, hyper) -> None:
+        """Between the passes, each parameter's column statistic accumulated in place
+        (``factored.accumulate_statistics``, the same float32 operations) and normalised into
+        its ``col_normalized`` buffer (``state.factored.normalized_columns``, the mean summed in
+        index order: within one float32 ulp of torch's, docs/cpu_kernel.md)."""
+        torch.ops.lowbit_optim.cpu_factored_columns([*map(_COL, self.exp_avg_sqs)], self.column_means,
+                                                    self.col_normalized, hyper.beta2)
 
-
-def factored_step(inputs: list[UpdateInputs], scalars: tuple, *, maximize: bool, stochastic_round: bool,
-                  decoupled_weight_decay: bool, isa: str | None = None) -> None:
-    """The update pass of parameters whose first moments share a format and block size, and
-    which all have a master weight correction or none, in place. ``scalars``: the group's lr,
-    beta1, beta2, eps and weight_decay (0-d CPU tensors); the kernel forms each parameter's
-    bias corrections and Adam's bound from its step count, as ``cpu_kernel.cpu_adamw_step``
-    does."""
-    exp_avgs = [i.exp_avg for i in inputs]
-    constants = format_constants((exp_avgs[0].format,))
-    decoupled = DECOUPLED[bool(decoupled_weight_decay)]
-    corrections = [i.weight_correction for i in inputs]
-    torch.ops.lowbit_optim.cpu_factored_step(
-        [i.param.detach() for i in inputs], [i.grad.detach() for i in inputs], [m.codes for m in exp_avgs],
-        [m.scales for m in exp_avgs], [] if corrections[0] is None else corrections, [i.row for i in inputs],
-        [i.col_normalized for i in inputs], constants.tables, constants.encoders, constants.cells,
-        [value for i in inputs for value in (*scalars, i.step, decoupled)], constants.kind,
-        exp_avgs[0].block_size, maximize, stochastic_round, ISAS[isa or default_isa()],
-    )
+    def update(self, grads: list[torch.Tensor], hyper, *, maximize: bool, stochastic_round: bool,
+               decoupled_weight_decay: bool) -> None:
+        """The update pass, in place: one call per first-moment format, block size and presence
+        of a master weight correction. The kernel forms each parameter's bias corrections and
+        Adam's bound from its step count, as ``cpu_kernel.cpu_adamw_step`` does."""
+        scalars = (hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
+        decoupled = DECOUPLED[bool(decoupled_weight_decay)]
+        for call in self.update_calls:
+            constants = format_constants((call.exp_avgs[0].format,))
+            torch.ops.lowbit_optim.cpu_factored_step(
+                call.params, [grads[i] for i in call.indices], [*map(_CODES, call.exp_avgs)],
+                [*map(_SCALES, call.exp_avgs)], call.corrections, [*map(_ROW, call.exp_avg_sqs)],
+                call.col_normalized, constants.tables, constants.encoders, constants.cells,
+                [value for step in call.steps for value in (*scalars, step, decoupled)], constants.kind,
+                call.exp_avgs[0].block_size, maximize, stochastic_round, self.isa,
+            )

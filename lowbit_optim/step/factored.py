@@ -221,7 +221,6 @@ class FactoredParams:
                  kernel_isa: str | None = None):
         self.entries = entries
         self.kernel = kernel or [False] * len(entries)
-        self.kernel_isa = kernel_isa
         self.all_rows = [factor_shape(param.shape).rows for param in params]
         self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
         buckets: dict[tuple, list[int]] = {}
@@ -237,6 +236,14 @@ class FactoredParams:
                 self.column_means[position] = view
             if groups:
                 self.reductions.append((flat, groups))
+        self.kernel_passes = None  # the kernel's passes, their argument lists made once
+        if any(self.kernel):
+            self.kernel_passes = cpu_kernel_factored.FactoredKernel([
+                cpu_kernel_factored.KernelEntry(
+                    index, entry.param, entry.exp_avg, entry.exp_avg_sq, entry.step, entry.weight_correction,
+                    self.column_means[position], self.normalized_columns[position], self.all_rows[position])
+                for position, (index, entry) in enumerate(entries) if self.kernel[position]
+            ], kernel_isa)
 
     def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, *, maximize: bool,
             stochastic_round: bool, decoupled_weight_decay: bool) -> None:
@@ -279,43 +286,17 @@ class FactoredParams:
     def _kernel_statistics(self, kernel: list[bool], grads, hyper, *, flags) -> None:
         """Pass 1 of the parameters the C++ kernel takes, in one call: ``_accumulate_statistics``'
         result, each statistic within one float32 ulp of it (docs/cpu_kernel.md)."""
-        inputs = []
-        for position, (index, entry) in enumerate(self.entries):
-            if not kernel[position]:
-                continue
-            factored = entry.exp_avg_sq
-            rows, columns = factored.row.numel(), factored.col.numel()
-            param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
-            if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
-                param_matrix = read_master(param_matrix, entry.weight_correction.reshape(rows, columns))
-            inputs.append(cpu_kernel_factored.StatisticsInputs(
-                param_matrix, grads[index].reshape(rows, columns), factored.row, self.column_means[position],
-                self.all_rows[position]))
-        cpu_kernel_factored.factored_statistics(inputs, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-                                                isa=self.kernel_isa, **flags)
+        self.kernel_passes.statistics(grads, hyper, **flags)
 
     def _kernel_columns(self, kernel: list[bool], hyper) -> None:
         """The column statistics of the parameters the C++ kernel takes, accumulated and
         normalised in one call (three foreach operations and three per parameter otherwise)."""
-        positions = [position for position, by_kernel in enumerate(kernel) if by_kernel]
-        cpu_kernel_factored.factored_columns(
-            [self.entries[p][1].exp_avg_sq.col for p in positions], [self.column_means[p] for p in positions],
-            [self.normalized_columns[p] for p in positions], beta2=hyper.beta2)
+        self.kernel_passes.columns(hyper)
 
     def _kernel_update(self, kernel: list[bool], grads, hyper, *, stochastic_round: bool, flags) -> None:
         """The update pass of the parameters the C++ kernel takes: one call per first-moment
         format, block size and presence of a master weight correction."""
-        calls: dict[tuple, list] = {}
-        for position, (index, entry) in enumerate(self.entries):
-            if kernel[position]:
-                key = (entry.exp_avg.format, entry.exp_avg.block_size, entry.weight_correction is None)
-                calls.setdefault(key, []).append(cpu_kernel_factored.UpdateInputs(
-                    entry.param, grads[index], entry.exp_avg, entry.exp_avg_sq.row,
-                    self.normalized_columns[position], entry.step, entry.weight_correction))
-        scalars = (hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
-        for inputs in calls.values():
-            cpu_kernel_factored.factored_step(inputs, scalars, stochastic_round=stochastic_round,
-                                              isa=self.kernel_isa, **flags)
+        self.kernel_passes.update(grads, hyper, stochastic_round=stochastic_round, **flags)
 
     @staticmethod
     def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,
