@@ -1,0 +1,85 @@
+"""Steady step time against torch's fused AdamW, every optimizer in this one process, taking
+turns round after round: the ratio a shared machine can still measure.
+
+``bench_step.py`` runs each optimizer in a process of its own (its first step is then what a
+user sees); on a host whose speed moves from minute to minute (another job on the same cores)
+its ratios compare runs minutes apart. Here all of them step the same workload (``bench_step``'s
+``--model``s, fixed random gradients) in rounds, each taking ``--steps`` steps in turn, so a
+slow minute slows all of them; the medians over the rounds and each one's ratio to torch's
+fused AdamW are reported. Steps after the first three only (nothing compiled is timed).
+
+    python benchmarks/bench_step_alternated.py [--model linear10] [--threads 1] [--rounds 9]
+
+Prints a markdown table and writes JSON rows.
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+from bench_step import MODELS
+
+from lowbit_optim.bench import harness
+from lowbit_optim.step import cpu_kernel
+
+OPTIMIZERS = ("torch_adamw", "lowbit_8bit", "lowbit_4bit", "lowbit_fp8", "lowbit_4bit_factored")
+
+
+def stepper(name: str, model: str):
+    """``name``'s step over ``model``'s parameters, warmed up."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape) / shape[-1] ** 0.5) for shape in MODELS[model][1]]
+    for param in params:
+        param.grad = torch.randn_like(param) * 1e-3
+    optimizer = harness.make_optimizer(name, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2)
+    for _ in range(3):
+        optimizer.step()
+    return optimizer.step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+                        help="the first is the reference of the ratios (default: torch's fused AdamW)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="linear10")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=8, help="steps per optimizer per round (default 8)")
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=pathlib.Path("bench_out/bench_step_alternated.json"))
+    args = parser.parse_args(argv)
+    names, skipped = harness.resolve_optimizers(args.optimizers, all_names=OPTIMIZERS)
+    for name in skipped:
+        print(f"skipping {name}: its package is not installed", file=sys.stderr)
+    torch.set_num_threads(args.threads)
+    steps = {name: stepper(name, args.model) for name in names}
+    seconds = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            seconds[name].append((time.perf_counter() - start) / args.steps)
+    medians = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
+    reference = names[0]
+    rows = [{"optimizer": name, "label": harness.OPTIMIZERS[name].label, "ms_per_step": medians[name],
+             "ratio": medians[name] / medians[reference]} for name in names]
+    columns = [
+        harness.Column("optimizer", "label"),
+        harness.Column("ms/step (median)", "ms_per_step", "{:.2f}"),
+        harness.Column(f"x {harness.OPTIMIZERS[reference].label}", "ratio", "{:.2f}x"),
+    ]
+    env = harness.environment(torch.device("cpu"))
+    harness.report(args.out, "step_alternated", rows, columns, env=env,
+                   heading=f"{MODELS[args.model][0]}, {args.rounds} rounds of {args.steps} steps each, "
+                           f"CPU kernel path {cpu_kernel.default_isa()}; {harness.machine_line(env)}",
+                   config={"model": args.model, "threads": args.threads, "rounds": args.rounds,
+                           "steps": args.steps})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
