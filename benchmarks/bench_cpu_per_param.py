@@ -18,7 +18,6 @@ import argparse
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
@@ -57,13 +56,7 @@ def main(argv=None) -> int:
         print(f"skipping {name}: its package is not installed", file=sys.stderr)
     torch.set_num_threads(args.threads)
     steps = {(name, count): stepper(name, count) for name in names for count in (1, args.params)}
-    seconds = {key: [] for key in steps}
-    for _ in range(args.rounds):
-        for key, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            seconds[key].append((time.perf_counter() - start) / args.steps)
+    seconds = harness.alternated_seconds(steps, rounds=args.rounds, calls=args.steps)
     rows = []
     for name in names:
         one, many = (statistics.median(seconds[name, count]) * 1e6 for count in (1, args.params))

@@ -17,7 +17,6 @@ import argparse
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 from bench_step import MODELS
@@ -56,13 +55,7 @@ def main(argv=None) -> int:
         print(f"skipping {name}: its package is not installed", file=sys.stderr)
     torch.set_num_threads(args.threads)
     steps = {name: stepper(name, args.model) for name in names}
-    seconds = {name: [] for name in names}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            seconds[name].append((time.perf_counter() - start) / args.steps)
+    seconds = harness.alternated_seconds(steps, rounds=args.rounds, calls=args.steps)
     medians = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
     reference = names[0]
     rows = [{"optimizer": name, "label": harness.OPTIMIZERS[name].label, "ms_per_step": medians[name],

@@ -240,6 +240,20 @@ def timed(fn: Callable, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def alternated_seconds(functions: dict, *, rounds: int, calls: int) -> dict:
+    """Seconds per call of each of ``functions`` (CPU work), the functions taking turns: each
+    called ``calls`` times in a row, round after round, so that a slow minute of a shared host
+    slows all of them alike. One list of ``rounds`` per-call times per key."""
+    seconds = {key: [] for key in functions}
+    for _ in range(rounds):
+        for key, fn in functions.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            seconds[key].append((time.perf_counter() - start) / calls)
+    return seconds
+
+
 def compiled_graphs() -> int:
     """Graphs Dynamo has compiled in this process so far (first compiles and recompiles)."""
     return counters["stats"].get("unique_graphs", 0)
