@@ -128,6 +128,34 @@ def test_non_finite_huge_and_zero_gradients(kernel, ieee_sqrt, pair, isa):
 
 
 @pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("pair", FORMAT_PAIRS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("maximize", [False, True])
+def test_blocks_with_and_without_a_non_finite_gradient_in_one_step(kernel, ieee_sqrt, pair, isa, maximize,
+                                                                   dtype):
+    # A block whose gradients are all finite takes the update without per-element guards; one
+    # with a NaN or infinite gradient the guarded update. Here both kinds alternate in one call,
+    # and finite blocks hold gradients whose square overflows the second moment to inf (float32,
+    # bfloat16; float16's largest is the largest finite gradient there): the unguarded update
+    # must still store it as 1 and take the scale without it.
+    setup = KernelSetup(pair, (40 * 128 + 77,), dtype, amsgrad=True)
+    grad = spread_gradient(setup.param.shape, dtype, setup.generator)
+    huge = min(1e30, torch.finfo(dtype).max)
+    block = setup.states[0].block_size
+    grad[3 * block + 5] = float("nan")
+    grad[7 * block + 100] = float("inf")
+    grad[11 * block] = -float("inf")
+    grad[-3] = float("nan")  # the partial last block
+    grad[5 * block + 9] = huge
+    grad[9 * block + 1:9 * block + 4] = -huge
+    (param, states), (ref_param, ref_states) = run_both(setup, grad, make_scalars(step=setup.step), isa,
+                                                        maximize=maximize)
+    assert_same_quantized(states, ref_states)
+    torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
+    assert torch.isfinite(param).all()
+
+
+@pytest.mark.parametrize("isa", available_isas())
 def test_negative_zero_moment_keeps_its_code(kernel, ieee_sqrt, isa):
     # float8's code 0x80 decodes to -0.0; an element whose gradient is not finite keeps it, and
     # the reference encodes -0.0 / scale = -0.0 back to 0x80, not to +0.0's code 0. (The kernel

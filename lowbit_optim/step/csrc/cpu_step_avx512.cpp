@@ -63,6 +63,7 @@ struct Primitives {
   static inline M isfinite(F a) {
     return _mm512_cmplt_epi32_mask(_mm512_and_si512(bits(a), set1i(0x7FFFFFFF)), set1i(0x7F800000));
   }
+  static inline bool all(M m) { return m == 0xFFFF; }
   static inline F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   static inline I iselect(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline I f2i(F a) { return _mm512_cvttps_epi32(a); }

@@ -43,6 +43,7 @@ struct V {
   static inline M gt(F a, F b) { return a > b; }
   static inline M eq(F a, F b) { return a == b; }
   static inline M ilt(I a, I b) { return a < b; }
+  static inline bool all(M m) { return m; }
   static inline M isfinite(F a) { return (bits(a) & 0x7FFFFFFF) < 0x7F800000; }
   static inline F select(M m, F a, F b) { return m ? a : b; }
   static inline I iselect(M m, I a, I b) { return m ? a : b; }
