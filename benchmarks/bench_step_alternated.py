@@ -8,7 +8,8 @@ its ratios compare runs minutes apart. Here all of them step the same workload (
 slow minute slows all of them; the medians over the rounds and each one's ratio to torch's
 fused AdamW are reported. Steps after the first three only (nothing compiled is timed).
 
-    python benchmarks/bench_step_alternated.py [--model linear10] [--threads 1] [--rounds 9]
+    python benchmarks/bench_step_alternated.py [--model linear10] [--threads 1] [--rounds 9] \
+        [--dtype bfloat16]
 
 Prints a markdown table and writes JSON rows.
 """
@@ -27,10 +28,11 @@ from lowbit_optim.step import cpu_kernel
 OPTIMIZERS = ("torch_adamw", "lowbit_8bit", "lowbit_4bit", "lowbit_fp8", "lowbit_4bit_factored")
 
 
-def stepper(name: str, model: str):
-    """``name``'s step over ``model``'s parameters, warmed up."""
+def stepper(name: str, model: str, dtype: torch.dtype):
+    """``name``'s step over ``model``'s parameters of ``dtype``, warmed up."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape) / shape[-1] ** 0.5) for shape in MODELS[model][1]]
+    params = [torch.nn.Parameter((torch.randn(shape) / shape[-1] ** 0.5).to(dtype))
+              for shape in MODELS[model][1]]
     for param in params:
         param.grad = torch.randn_like(param) * 1e-3
     optimizer = harness.make_optimizer(name, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2)
@@ -46,6 +48,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="linear10")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the parameters' dtype (bfloat16: rounded writes, no master weights; torch's "
+                             "fused step keeps bfloat16 moments)")
     parser.add_argument("--steps", type=int, default=8, help="steps per optimizer per round (default 8)")
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path("bench_out/bench_step_alternated.json"))
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
     for name in skipped:
         print(f"skipping {name}: its package is not installed", file=sys.stderr)
     torch.set_num_threads(args.threads)
-    steps = {name: stepper(name, args.model) for name in names}
+    steps = {name: stepper(name, args.model, getattr(torch, args.dtype)) for name in names}
     seconds = harness.alternated_seconds(steps, rounds=args.rounds, calls=args.steps)
     medians = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
     reference = names[0]
@@ -67,10 +72,11 @@ def main(argv=None) -> int:
     ]
     env = harness.environment(torch.device("cpu"))
     harness.report(args.out, "step_alternated", rows, columns, env=env,
-                   heading=f"{MODELS[args.model][0]}, {args.rounds} rounds of {args.steps} steps each, "
-                           f"CPU kernel path {cpu_kernel.default_isa()}; {harness.machine_line(env)}",
-                   config={"model": args.model, "threads": args.threads, "rounds": args.rounds,
-                           "steps": args.steps})
+                   heading=f"{MODELS[args.model][0].replace('fp32', args.dtype)}, {args.rounds} rounds of "
+                           f"{args.steps} steps each, CPU kernel path {cpu_kernel.default_isa()}; "
+                           f"{harness.machine_line(env)}",
+                   config={"model": args.model, "dtype": args.dtype, "threads": args.threads,
+                           "rounds": args.rounds, "steps": args.steps})
     return 0
 
 
