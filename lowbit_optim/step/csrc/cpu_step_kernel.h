@@ -204,8 +204,9 @@ inline float finite_absmax(const float* values, int64_t count) {
 }
 
 // Whether all `count` gradients are finite: g * 0 + sum is NaN from the first NaN or infinite g
-// on, and +0 while every g is finite. One multiply-add per vector, against the five selects per
-// vector a block with a non-finite gradient needs (Block::update<true>).
+// on, and +0 while every g is finite. One multiply-add per vector, against the finiteness mask
+// (two operations) and the selects of gradient, parameter and each moment (four for AdamW) per
+// vector that a block with a non-finite gradient needs (Block::update<true>).
 template <typename T>
 inline bool gradients_finite(const T* grad, int64_t count, int32_t dtype) {
   F sum = V::set1(0.0f);
