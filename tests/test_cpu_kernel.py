@@ -27,6 +27,7 @@ from helpers import (
 
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.chunks import TailScratch
+from lowbit_optim.step.math import host_adam_ratio_bound
 from lowbit_optim.step.quantized import run_quantized_step
 
 SHAPES = [(1,), (127,), (4097,), (123, 123)]
@@ -153,6 +154,52 @@ def test_blocks_with_and_without_a_non_finite_gradient_in_one_step(kernel, ieee_
     assert_same_quantized(states, ref_states)
     torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
     assert torch.isfinite(param).all()
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("pair", FORMAT_PAIRS)
+def test_negative_second_moment_scales_count_magnitudes(kernel, ieee_sqrt, pair, isa):
+    # The kernel's running maximum takes a second moment as its own magnitude only where it
+    # decodes from non-negative values. A checkpoint with negative second-moment scales decodes
+    # to negative exp_avg_sq (and its square root to NaN parameters): the new scale must still
+    # be the largest magnitude, as the reference's absmax takes it.
+    setup = KernelSetup(pair, (4097,), torch.float32, amsgrad=True)
+    param, states = setup.copies()
+    for state in states[1:]:
+        state.scales[::3] = -state.scales[::3]
+    setup.param, setup.states = param, states
+    grad = spread_gradient((4097,), torch.float32, setup.generator) * 1e-4
+    (param, states), (ref_param, ref_states) = run_both(setup, grad, make_scalars(step=setup.step), isa)
+    assert_same_quantized(states, ref_states)
+    torch.testing.assert_close(param, ref_param, rtol=0, atol=0, equal_nan=True)
+    assert ref_param.isnan().any()  # negative second moments reached the update
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("pair", FORMAT_PAIRS)
+def test_ratio_clamped_at_its_bound_and_nan_ratios_kept(kernel, ieee_sqrt, pair, isa):
+    # A first moment far above the second's square root puts |exp_avg / denom| past
+    # adam_ratio_bound in both signs, so the clamp decides the update; NaN and infinite
+    # parameters under L2 decay (Adam's, not decoupled) make NaN moments and ratios, which the
+    # clamp must keep NaN as torch's clamp does.
+    setup = KernelSetup(pair, (4097,), torch.float32, amsgrad=False)
+    param, states = setup.copies()
+    states[0].scales.mul_(1e6)
+    param[::101] = float("nan")
+    param[3::103] = float("inf")
+    param[5::107] = -float("inf")
+    setup.param, setup.states = param, states
+    grad = spread_gradient((4097,), torch.float32, setup.generator)
+    scalars = make_scalars(step=setup.step)
+    (param, states), (ref_param, ref_states) = run_both(setup, grad, scalars, isa,
+                                                        decoupled_weight_decay=False)
+    assert_same_quantized(states, ref_states)
+    torch.testing.assert_close(param, ref_param, rtol=0, atol=0, equal_nan=True)
+    lr, (beta1, beta2) = float(scalars.lr), (float(scalars.beta1), float(scalars.beta2))
+    largest_step = lr / (1 - beta1**setup.step) * host_adam_ratio_bound(beta1, beta2, setup.step)
+    moved = (ref_param.double() - setup.param.double()).abs()
+    clamped = (moved - largest_step).abs() <= 1e-4 * largest_step  # float32 rounding of p - step
+    assert clamped.sum() > 100 and ref_param.isnan().any()
 
 
 @pytest.mark.parametrize("isa", available_isas())

@@ -63,6 +63,7 @@ struct Primitives {
   static inline I sll(I a, int n) { return _mm256_slli_epi32(a, n); }
   static inline I iadd_if(M m, I a) { return _mm256_sub_epi32(a, bits(m)); }  // true lanes are -1
   static inline I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  // The entry at the index's low 4 bits (each permute reads the low 3, the blend bit 3).
   static inline F lookup16(const float* table, I index) {
     F low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), index);
     F high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), index);

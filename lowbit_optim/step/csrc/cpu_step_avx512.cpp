@@ -81,6 +81,7 @@ struct Primitives {
   static inline M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   static inline I iadd_if(M m, I a) { return _mm512_mask_add_epi32(a, m, a, set1i(1)); }
   static inline I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  // The entry at the index's low 4 bits (the permute reads no others).
   static inline F lookup16(const float* table, I index) { return _mm512_permutexvar_ps(index, _mm512_loadu_ps(table)); }
   // The 4-bit search's 8-entry lookup (cpu_step_kernel.h) for narrower paths; here lookup16
   // serves, and this only has to compile.

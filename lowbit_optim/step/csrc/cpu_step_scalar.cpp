@@ -61,7 +61,7 @@ struct V {
   static inline I sll(I a, int n) { return static_cast<I>(static_cast<uint32_t>(a) << n); }
   static inline I iadd_if(M m, I a) { return m ? a + 1 : a; }
   static inline I iota() { return 0; }
-  static inline F lookup16(const float* table, I index) { return table[index]; }
+  static inline F lookup16(const float* table, I index) { return table[index & 15]; }  // its low 4 bits
   static inline F lookup8(const float* table, I index) { return table[index]; }
   static inline F gather256(const float* table, I index) { return table[index]; }
   static inline I gather_i32(const int32_t* table, I index) { return table[index]; }
