@@ -45,6 +45,9 @@ struct Primitives {
   static inline M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
   static inline M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static inline M ilt(I a, I b) { return as_float(_mm256_cmpgt_epi32(b, a)); }
+  // Unsigned a < b: flipping both sign bits maps unsigned order onto signed order.
+  static inline M ult(I a, I b) { return ilt(ixor(a, set1i(INT32_MIN)), ixor(b, set1i(INT32_MIN))); }
+  static inline I srl_where(M m, I a, int n) { return iselect(m, srl(a, n), a); }
   static inline bool all(M m) { return _mm256_movemask_ps(m) == 0xFF; }
   static inline M isfinite(F a) { return ilt(_mm256_and_si256(bits(a), set1i(0x7FFFFFFF)), set1i(0x7F800000)); }
   static inline F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }

@@ -79,6 +79,8 @@ struct Primitives {
   static inline I sra(I a, int n) { return _mm512_srai_epi32(a, n); }
   static inline I sll(I a, int n) { return _mm512_slli_epi32(a, n); }
   static inline M ilt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static inline M ult(I a, I b) { return _mm512_cmplt_epu32_mask(a, b); }  // unsigned
+  static inline I srl_where(M m, I a, int n) { return _mm512_mask_srli_epi32(a, m, a, n); }
   static inline I iadd_if(M m, I a) { return _mm512_mask_add_epi32(a, m, a, set1i(1)); }
   static inline I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   // The entry at the index's low 4 bits (the permute reads no others).

@@ -168,11 +168,10 @@ struct BlockEncoder : EncoderTables {
         cell = V::isub(V::srl(bits, kCellShift), V::set1i(kCellFirst));
       }
       I word = V::gather_i32(cells, cell);
-      // The position in the cell above the word's two code bytes: position > edge (unsigned,
-      // by flipping both sign bits) picks the code past the edge.
+      // The position in the cell above the word's two code bytes: position > edge (unsigned)
+      // picks the code past the edge, the word's second byte.
       I position = V::sll(bits, kCellPositionShift);
-      M past = V::ilt(V::ixor(word, V::set1i(INT32_MIN)), V::ixor(position, V::set1i(INT32_MIN)));
-      return V::iand(V::iselect(past, V::srl(word, 8), word), V::set1i(0xFF));
+      return V::iand(V::srl_where(V::ult(word, position), word, 8), V::set1i(0xFF));
     }
   }
 };

@@ -43,6 +43,8 @@ struct V {
   static inline M gt(F a, F b) { return a > b; }
   static inline M eq(F a, F b) { return a == b; }
   static inline M ilt(I a, I b) { return a < b; }
+  static inline M ult(I a, I b) { return static_cast<uint32_t>(a) < static_cast<uint32_t>(b); }
+  static inline I srl_where(M m, I a, int n) { return m ? srl(a, n) : a; }
   static inline bool all(M m) { return m; }
   static inline M isfinite(F a) { return (bits(a) & 0x7FFFFFFF) < 0x7F800000; }
   static inline F select(M m, F a, F b) { return m ? a : b; }
