@@ -159,10 +159,10 @@ def test_blocks_with_and_without_a_non_finite_gradient_in_one_step(kernel, ieee_
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 def test_negative_second_moment_scales_count_magnitudes(kernel, ieee_sqrt, pair, isa):
-    # The kernel's running maximum takes a second moment as its own magnitude only where it
-    # decodes from non-negative values. A checkpoint with negative second-moment scales decodes
-    # to negative exp_avg_sq (and its square root to NaN parameters): the new scale must still
-    # be the largest magnitude, as the reference's absmax takes it.
+    # A checkpoint with negative second-moment scales decodes to negative exp_avg_sq (and its
+    # square root to NaN parameters): the new scale must still be the largest magnitude, as the
+    # reference's absmax takes it; a running maximum that took an average of squares as its own
+    # magnitude (one operation fewer, measured and not kept) fails here.
     setup = KernelSetup(pair, (4097,), torch.float32, amsgrad=True)
     param, states = setup.copies()
     for state in states[1:]:

@@ -268,26 +268,6 @@ struct ReadsPosition : std::false_type {};
 template <typename Rule>
 struct ReadsPosition<Rule, std::void_t<decltype(Rule::kReadsPosition)>> : std::true_type {};
 
-// Which of a rule's moments are averages of squares (or their running maximum), declared by the
-// rule as kSquaredMoments (rules/adamw.h, rules/ademamix.h): such a moment stays at least +0
-// (or becomes NaN) whenever its decoded value is at least +0, so the block's running maximum
-// can take it as its own magnitude.
-template <typename Rule, typename = void>
-struct SquaredMoments {
-  static constexpr bool of(int) { return false; }
-};
-template <typename Rule>
-struct SquaredMoments<Rule, std::void_t<decltype(Rule::kSquaredMoments)>> {
-  static constexpr bool of(int moment) { return Rule::kSquaredMoments[moment]; }
-};
-
-// Whether every entry of a moment's decode table is at least +0 (-0 included; NaN not).
-inline bool table_nonnegative(const float* table, int64_t entries) {
-  for (int64_t i = 0; i < entries; ++i)
-    if (!(table[i] >= 0.0f)) return false;
-  return true;
-}
-
 template <typename Rule, typename T>
 struct Block {
   const StepArgs& a;
@@ -300,9 +280,6 @@ struct Block {
   const int32_t param_dtype, master_weight_bits;
   const bool maximize, stochastic_round, nibble;
   const float* const* tables;  // the moments' decode tables (a.tables)
-  // Per moment: a squared moment (SquaredMoments) whose decoded values are all at least +0 (its
-  // table's entries and the block's scale), so every value it keeps is its own magnitude or NaN.
-  bool nonnegative[kMaxMoments];
   T* param;
   const T* grad;
   void* correction;  // the block's master weight correction, or null
@@ -316,7 +293,7 @@ struct Block {
   // Only the rule's moments' scale and running maximum are set: value-initialising the whole
   // object (an aggregate's {}) zeroed ~400 bytes per block, ~3% of AdamW4bit's profile.
   Block(const StepArgs& a, const Rule& rule, T* param, const T* grad, void* correction, int64_t block,
-        float* buffers, const bool* nonnegative_tables)
+        float* buffers)
       : a(a), rule(rule), param_dtype(a.param_dtype), master_weight_bits(a.master_weight_bits),
         maximize(a.maximize != 0), stochastic_round(a.stochastic_round != 0), nibble(a.kind == kNibble4),
         tables(a.tables), param(param), grad(grad), correction(correction), block(block),
@@ -324,7 +301,6 @@ struct Block {
         noise_key(a.stochastic_round ? mix32(a.seed ^ (static_cast<uint64_t>(block) * 0x9E3779B97F4A7C15ULL)) : 0u) {
     for (int s = 0; s < Rule::kMoments; ++s) {
       scale[s] = a.scales[s][block];
-      nonnegative[s] = SquaredMoments<Rule>::of(s) && nonnegative_tables[s] && scale[s] >= 0.0f;
       absmax[s] = V::set1(0.0f);
       if (nibble)
         for (int i = 0; i < 16; i += W) V::storef(scaled_table[s] + i, V::mul(V::loadf(tables[s] + i), V::set1(scale[s])));
@@ -361,9 +337,8 @@ struct Block {
       V::storef(moments[s] + offset, kept);
       // max returns its second operand where either is NaN, so a NaN never enters the running
       // maximum; an infinity does, and the block's scale is then found again without it
-      // (finite_absmax): rare, and two operations fewer per vector than filtering here. A
-      // nonnegative moment is its own magnitude: one operation fewer again.
-      absmax[s] = V::max(nonnegative[s] ? kept : V::abs(kept), absmax[s]);
+      // (finite_absmax): rare, and two operations fewer per vector than filtering here.
+      absmax[s] = V::max(V::abs(kept), absmax[s]);
     }
   }
 
@@ -455,11 +430,11 @@ struct BlockData {
 
 template <typename Rule, typename T>
 void step_block(const StepArgs& a, const Rule& rule, const EncoderTables* encoders, const BlockData<T>& data,
-                float* buffers, const bool* nonnegative_tables) {
+                float* buffers) {
   const int64_t size = a.block_size;
   const int64_t block = data.block;
   constexpr int slots = Rule::kMoments;
-  Block<Rule, T> b(a, rule, data.param, data.grad, data.correction, block, buffers, nonnegative_tables);
+  Block<Rule, T> b(a, rule, data.param, data.grad, data.correction, block, buffers);
   const uint8_t* block_codes[kMaxMoments];  // locals, not re-read through `a` after each store
   for (int s = 0; s < slots; ++s) block_codes[s] = a.codes[s] + block * (b.nibble ? size / 2 : size);
   const auto update_block = [&](auto guarded) {
@@ -517,9 +492,6 @@ void step_range(const StepArgs& a, const Rule& rule, int64_t first_block, int64_
   const EncoderTables encoders[kMaxMoments] = {EncoderTables(a.encoders[0]), EncoderTables(a.encoders[1]),
                                                EncoderTables(a.encoders[2])};
   alignas(64) float buffers[3 * kMaxBlock];
-  bool nonnegative_tables[kMaxMoments] = {};
-  for (int s = 0; s < Rule::kMoments; ++s)
-    nonnegative_tables[s] = SquaredMoments<Rule>::of(s) && table_nonnegative(a.tables[s], a.kind == kNibble4 ? 16 : 256);
   T* param = static_cast<T*>(a.param);
   const T* grad = static_cast<const T*>(a.grad);
   uint8_t* correction = static_cast<uint8_t*>(a.correction);
@@ -537,7 +509,7 @@ void step_range(const StepArgs& a, const Rule& rule, int64_t first_block, int64_
     }
     if (block < whole_blocks) {
       step_block(a, rule, encoders, BlockData<T>{param + block * size, grad + block * size, block_correction, block},
-                 buffers, nonnegative_tables);
+                 buffers);
       continue;
     }
     // The partial last block, zero-padded as step.chunks.for_each_block_chunk pads it: the
@@ -554,7 +526,7 @@ void step_range(const StepArgs& a, const Rule& rule, int64_t first_block, int64_
       for (int64_t i = 0; i < size * correction_bytes; ++i)
         correction_block[i] = i < tail * correction_bytes ? block_correction[i] : 0;
     step_block(a, rule, encoders, BlockData<T>{param_block, grad_block, correction ? correction_block : nullptr, block},
-               buffers, nonnegative_tables);
+               buffers);
     for (int64_t i = 0; i < tail; ++i) param[block * size + i] = param_block[i];
     if (correction)
       for (int64_t i = 0; i < tail * correction_bytes; ++i) block_correction[i] = correction_block[i];

@@ -76,8 +76,6 @@ struct AdamWMath {
 template <bool kAmsgrad>
 struct AdamWRule : AdamWMath {
   static constexpr int kMoments = kAmsgrad ? 3 : 2;
-  // exp_avg_sq and max_exp_avg_sq (cpu_step_kernel.h's SquaredMoments).
-  static constexpr bool kSquaredMoments[3] = {false, true, true};
 
   explicit AdamWRule(const StepArgs& a) : AdamWMath(a) {}
 

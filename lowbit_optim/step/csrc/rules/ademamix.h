@@ -20,7 +20,6 @@ namespace {
 struct AdEMAMixRule {
   using F = V::F;
   static constexpr int kMoments = 3;
-  static constexpr bool kSquaredMoments[3] = {false, false, true};  // exp_avg_sq (cpu_step_kernel.h)
   // 0-d float64 values and their float64 combinations, rounded to float32 where they meet a
   // float32 tensor (as torch rounds a float64 0-d tensor there).
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, decay;
