@@ -58,6 +58,7 @@ struct Primitives {
   static inline I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static inline I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static inline I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static inline I imax(I a, I b) { return _mm256_max_epi32(a, b); }
   static inline I ior(I a, I b) { return _mm256_or_si256(a, b); }
   static inline I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
   static inline I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }

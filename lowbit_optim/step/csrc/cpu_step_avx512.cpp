@@ -72,6 +72,7 @@ struct Primitives {
   static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static inline I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static inline I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static inline I imax(I a, I b) { return _mm512_max_epi32(a, b); }
   static inline I ior(I a, I b) { return _mm512_or_si512(a, b); }
   static inline I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
   static inline I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }

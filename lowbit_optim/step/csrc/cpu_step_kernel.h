@@ -71,6 +71,18 @@ constexpr int32_t kCellPositiveStart = (1 << 15) - kCellFirst;
 // Shifting out the sign, the 8 exponent bits and the 7 index bits leaves the position in the cell.
 constexpr int kCellPositionShift = 1 + 8 + 7;
 
+// The float8 encoder's anchor (BlockEncoder<kE4M3>): float32's exponent field, e4m3fn's least
+// exponent (-6) in it, and the anchor 2**20 times the binade's start (e4m3fn keeps 3 of
+// float32's 23 mantissa bits, so 20 are dropped). The anchor's bits shifted right by 20 are
+// 8 (127 + e + 20); the code of a normal is 8 (e + 7) + steps - 8 and of a subnormal
+// (e = -6) steps: both are steps + (anchor >> 20) - 8 (127 - 6 + 20).
+constexpr int32_t kFloat32ExponentMask = 0x7F800000;
+constexpr int kE4M3DroppedBits = 23 - 3;
+constexpr int32_t kE4M3LeastExponent = (127 - 6) << 23;
+constexpr int32_t kE4M3AnchorShift = kE4M3DroppedBits << 23;
+constexpr int32_t kE4M3AnchorCodeOffset = (127 - 6 + kE4M3DroppedBits) << 3;
+static_assert(kE4M3AnchorCodeOffset == 1128, "");
+
 // An encoder's constants (cpu_step_args.h's EncoderConstants) as its block loop reads them, built
 // once per range of blocks. Built for every block, the search's 48 midpoints were written one
 // float at a time and then read as vectors, which cannot be forwarded from those stores: ~4% of
@@ -138,15 +150,19 @@ struct BlockEncoder : EncoderTables {
       const F t = V::fmadd(n, V::set1(16.0f), V::set1(-1.5f));
       return V::ceil_to_int(V::max(t, V::set1(0.0f)));
     } else if constexpr (kEncoder == kE4M3) {
-      F y = V::mul(n, V::set1(448.0f));
-      I bits = V::bits(y);
-      I magnitude = V::iand(bits, V::set1i(0x7FFFFFFF));
-      I sign = V::iand(V::srl(bits, 24), V::set1i(0x80));
-      I round_bit = V::iand(V::srl(magnitude, 20), V::set1i(1));
-      I normal = V::isub(V::srl(V::iadd(magnitude, V::iadd(V::set1i(0x7FFFF), round_bit)), 20),
-                         V::set1i((127 - 7) << 3));
-      I subnormal = V::isub(V::bits(V::add(V::abs(y), V::set1(16384.0f))), V::set1i(0x46800000));
-      return V::ior(V::iselect(V::ilt(magnitude, V::set1i(0x3C800000)), subnormal, normal), sign);
+      // The bits of 448 n rounded to e4m3fn (codecs.Float8Codec's integer arithmetic, by one
+      // float addition here): adding the anchor 2**(e + 20), e the exponent of |y| but at
+      // least e4m3fn's least, -6, leaves float32's last bit worth e4m3fn's step in that binade,
+      // so the hardware's addition rounds |y| to nearest even there, normals and subnormals
+      // alike. The sum's bits above the anchor's count those steps (8 + mantissa for a normal,
+      // the mantissa for a subnormal), and the anchor's exponent bits add e's codes below.
+      const F y = V::mul(n, V::set1(448.0f));
+      const I magnitude = V::iand(V::bits(y), V::set1i(0x7FFFFFFF));
+      const I anchor = V::iadd(V::imax(V::iand(magnitude, V::set1i(kFloat32ExponentMask)), V::set1i(kE4M3LeastExponent)),
+                               V::set1i(kE4M3AnchorShift));
+      const I steps = V::isub(V::bits(V::add(V::as_float(magnitude), V::as_float(anchor))), anchor);
+      const I code = V::iadd(steps, V::isub(V::srl(anchor, kE4M3DroppedBits), V::set1i(kE4M3AnchorCodeOffset)));
+      return V::ior(code, V::iand(V::srl(V::bits(y), 24), V::set1i(0x80)));
     } else {
       static_assert(kEncoder == kCells);
       // The code from the value's top bits (lowbit_optim/formats/cell_tables.py has the

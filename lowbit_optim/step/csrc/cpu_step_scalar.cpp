@@ -55,6 +55,7 @@ struct V {
   static inline I iadd(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b)); }
   static inline I isub(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b)); }
   static inline I iand(I a, I b) { return a & b; }
+  static inline I imax(I a, I b) { return a > b ? a : b; }
   static inline I ior(I a, I b) { return a | b; }
   static inline I ixor(I a, I b) { return a ^ b; }
   static inline I imul(I a, I b) { return static_cast<I>(static_cast<uint32_t>(a) * static_cast<uint32_t>(b)); }

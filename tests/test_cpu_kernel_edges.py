@@ -1,13 +1,13 @@
-"""The C++ kernel's cell-table encoder (the 8-bit dynamic maps, ``formats/cell_tables.py``)
-against the reference codec at every bin edge.
+"""The C++ kernel's encoders against the reference codecs at every bin edge: the cell-table
+encoder of the 8-bit dynamic maps (``formats/cell_tables.py``) and float8's rounding by one
+addition (``BlockEncoder<kE4M3>``).
 
 Random moments almost never land within a few ulps of a bin edge, so the step tests alone
 would not see an encoder that is off there. Here a moment is made to equal chosen values
 exactly: Lion with ``beta2 = 0`` and a zero state gives ``m = 0 * 0 + g * 1 = g``, and a 1.0
 in every block makes its scale 1, so the kernel encodes ``g`` itself. The values are every
-float within 3 ulps of every place where the codec's code changes (read off the cell
-table's words), both signs, and the cell boundaries; the codes must equal
-``codec.encode(g)``, on every instruction-set path.
+float within a few ulps of every place where the codec's code changes, both signs; the codes
+must equal ``codec.encode(g)``, on every instruction-set path.
 """
 
 import pytest
@@ -49,11 +49,23 @@ def edge_values(fmt) -> torch.Tensor:
     return torch.cat([values, -values, torch.tensor([0.0, -0.0])])
 
 
-@pytest.mark.parametrize("isa", available_isas())
-@pytest.mark.parametrize("name", CELL_FORMATS)
-def test_cell_encoder_matches_the_codec_at_every_edge(name, isa):
-    fmt = FORMATS[name]
-    values = edge_values(fmt)
+def float8_edge_values() -> torch.Tensor:
+    """Every float within 4 ulps of each e4m3fn value and of each midpoint between neighbours,
+    divided by 448 (the normalised values the codec multiplies back), with their negatives,
+    and 0 (not -0: Lion's ``0 * 0 + g`` makes a -0 gradient a +0 moment)."""
+    codes = torch.arange(0x7F, dtype=torch.int32)  # 0 .. 448, the non-negative finite codes
+    values = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    midpoints = (values[1:] + values[:-1]) / 2  # exact: e4m3fn values have 4 significant bits
+    centres = (torch.cat([values, midpoints]) / 448).view(torch.int32).to(torch.int64)
+    keys = (centres[:, None] + torch.arange(-4, 5)[None, :]).reshape(-1)
+    keys = keys[(keys > 0) & (keys <= 0x3F800000)].unique()
+    normalised = keys.to(torch.int32).view(torch.float32)
+    return torch.cat([normalised, -normalised, torch.tensor([0.0])])
+
+
+def assert_same_codes(fmt, values: torch.Tensor, isa: str):
+    """The kernel's codes of ``values`` (each block led by a 1.0, so its scale is 1) are the
+    reference codec's."""
     per_block = BLOCK - 1
     blocks = -(-values.numel() // per_block)
     chosen = torch.zeros(blocks * per_block)
@@ -71,3 +83,17 @@ def test_cell_encoder_matches_the_codec_at_every_edge(name, isa):
     assert mismatched.numel() == 0, (
         f"{mismatched.shape[0]} codes differ, first at value "
         f"{grad.view(blocks, BLOCK)[tuple(mismatched[0])].item()!r}")
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("name", CELL_FORMATS)
+def test_cell_encoder_matches_the_codec_at_every_edge(name, isa):
+    assert_same_codes(FORMATS[name], edge_values(FORMATS[name]), isa)
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("name", ["float8-e4m3", "float8-e4m3-nonzero"])
+def test_float8_encoder_matches_the_codec_at_every_edge(name, isa):
+    values = float8_edge_values()
+    assert values.numel() > 2000  # 127 values and 126 midpoints, 9 floats each, both signs
+    assert_same_codes(FORMATS[name], values, isa)
