@@ -204,6 +204,24 @@ def test_ratio_clamped_at_its_bound_and_nan_ratios_kept(kernel, ieee_sqrt, pair,
 
 
 @pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("pair", FORMAT_PAIRS)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_late_step_whose_bias_correction_rounds_to_one(kernel, ieee_sqrt, pair, isa, amsgrad):
+    # Past ~325 steps at beta2 = 0.95 the second moment's bias correction, sqrt(1 - beta2**t),
+    # rounds to 1.0 in float32 and the kernel skips its division (constant_divisor.h); a user's
+    # long run with LLM betas is mostly such steps.
+    betas, step = (0.9, 0.95), 1000
+    assert torch.tensor((1 - betas[1] ** step) ** 0.5, dtype=torch.float32).item() == 1.0
+    setup = KernelSetup(pair, (4097,), torch.float32, amsgrad=amsgrad)
+    grad = spread_gradient((4097,), torch.float32, setup.generator)
+    scalars = make_scalars(betas=betas, step=step)
+    (param, states), (ref_param, ref_states) = run_both(setup, grad, scalars, isa)
+    assert_same_quantized(states, ref_states)
+    torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
+    assert not torch.equal(param, setup.param)
+
+
+@pytest.mark.parametrize("isa", available_isas())
 def test_negative_zero_moment_keeps_its_code(kernel, ieee_sqrt, isa):
     # float8's code 0x80 decodes to -0.0; an element whose gradient is not finite keeps it, and
     # the reference encodes -0.0 / scale = -0.0 back to 0x80, not to +0.0's code 0. (The kernel

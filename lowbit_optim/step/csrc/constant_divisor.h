@@ -24,6 +24,11 @@
 // 0.97x torch's fused step, same process, alternated).
 // Where q0 is 0, infinite or NaN it is the quotient already (V::unless_special): the correction
 // would turn an infinity into NaN, and -0 into +0 (r = -0 - d * -0 = +0, and +0 * y + -0 = +0).
+// A divisor of exactly 1 returns x itself, which is x / 1 for every float32 (no operation of the
+// kernel divides a subnormal, the one case flush-to-zero would change): the bias correction's
+// square root rounds to 1 once beta2**step is below 2**-24 (after ~16,600 steps at beta2 =
+// 0.999, ~325 at 0.95), so for most of a long run AdamW skips its four operations per vector
+// (0.93-0.95x the step time at step 20,000; 1.00x at step 4).
 #pragma once
 
 namespace lowbit_cpu {
@@ -39,9 +44,11 @@ class BasicConstantDivisor {
   explicit BasicConstantDivisor(float divisor)
       : divisor_(divisor),
         reciprocal_(1.0f / divisor),
-        by_reciprocal_(Vec::kDividesByReciprocal && divisor >= 0x1p-60f && divisor <= 0x1p60f) {}
+        by_reciprocal_(Vec::kDividesByReciprocal && divisor >= 0x1p-60f && divisor <= 0x1p60f),
+        unit_(divisor == 1.0f) {}
 
   inline typename Vec::F divide(typename Vec::F x) const {
+    if (unit_) return x;
     if constexpr (Vec::kDividesByReciprocal) {
       if (by_reciprocal_) return Vec::unless_special(corrected(x), estimate(x));
     }
@@ -68,7 +75,7 @@ class BasicConstantDivisor {
   }
 
   float divisor_, reciprocal_;
-  bool by_reciprocal_;
+  bool by_reciprocal_, unit_;
 };
 
 using ConstantDivisor = BasicConstantDivisor<V>;
