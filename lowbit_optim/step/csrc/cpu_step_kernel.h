@@ -126,7 +126,8 @@ template <int32_t kEncoder>
 struct BlockEncoder : EncoderTables {
   explicit BlockEncoder(const EncoderTables& tables) : EncoderTables(tables) {}
 
-  // Encode normalised values in [-1, 1] (NaN already 0) exactly as the reference codecs do.
+  // Encode normalised values in [-1, 1] (NaN already 0) exactly as the reference codecs do: the
+  // code is each lane's low byte (the cell encoder leaves bits above it, which no store keeps).
   inline I operator()(F n) const {
     if (zero_free) n = V::select(V::lt(n, V::set1(first_edge)), V::set1(0.0f), n);
     if constexpr (kEncoder == kSmallTable) {
@@ -170,9 +171,9 @@ struct BlockEncoder : EncoderTables {
       // at most one bin edge, whose position the cell's word records with the codes on either
       // side). Integer operations only, so the code is the codec's exactly. n is normalised
       // (no NaN, within [-1, 1]); the clamp to the floor puts 0 and values below every edge
-      // on the first cell.
+      // on the first cell; no clamp above is needed, normalize leaves |n| <= 1.
       F magnitude = cell_sign == kCellsClamped ? n : V::abs(n);
-      magnitude = V::min(V::max(magnitude, V::set1(kCellFloor)), V::set1(1.0f));
+      magnitude = V::max(magnitude, V::set1(kCellFloor));
       I bits = V::bits(magnitude);
       I cell;
       if (cell_sign == kCellsSigned) {
@@ -185,9 +186,12 @@ struct BlockEncoder : EncoderTables {
       }
       I word = V::gather_i32(cells, cell);
       // The position in the cell above the word's two code bytes: position > edge (unsigned)
-      // picks the code past the edge, the word's second byte.
+      // picks the code past the edge, the word's second byte. The code is the low byte; the
+      // bits above it are left (two operations fewer per 16 elements with the clamp above,
+      // AdamW8bit 0.98x the time): V::store_u8 keeps only the low byte, and a 4-bit code
+      // packed into a nibble pair leaves them above the byte too.
       I position = V::sll(bits, kCellPositionShift);
-      return V::iand(V::srl_where(V::ult(word, position), word, 8), V::set1i(0xFF));
+      return V::srl_where(V::ult(word, position), word, 8);
     }
   }
 };
