@@ -158,12 +158,13 @@ struct BlockEncoder : EncoderTables {
       // alike. The sum's bits above the anchor's count those steps (8 + mantissa for a normal,
       // the mantissa for a subnormal), and the anchor's exponent bits add e's codes below.
       const F y = V::mul(n, V::set1(448.0f));
-      const I magnitude = V::iand(V::bits(y), V::set1i(0x7FFFFFFF));
+      // A zero-free format's n is +0 or past its first edge (the select above): no sign to move.
+      const I magnitude = zero_free ? V::bits(y) : V::iand(V::bits(y), V::set1i(0x7FFFFFFF));
       const I anchor = V::iadd(V::imax(V::iand(magnitude, V::set1i(kFloat32ExponentMask)), V::set1i(kE4M3LeastExponent)),
                                V::set1i(kE4M3AnchorShift));
       const I steps = V::isub(V::bits(V::add(V::as_float(magnitude), V::as_float(anchor))), anchor);
       const I code = V::iadd(steps, V::isub(V::srl(anchor, kE4M3DroppedBits), V::set1i(kE4M3AnchorCodeOffset)));
-      return V::ior(code, V::iand(V::srl(V::bits(y), 24), V::set1i(0x80)));
+      return zero_free ? code : V::ior(code, V::iand(V::srl(V::bits(y), 24), V::set1i(0x80)));
     } else {
       static_assert(kEncoder == kCells);
       // The code from the value's top bits (lowbit_optim/formats/cell_tables.py has the
