@@ -8,7 +8,7 @@ its ratios compare runs minutes apart. Here all of them step the same workload (
 slow minute slows all of them; the medians over the rounds and each one's ratio to torch's
 fused AdamW are reported. Steps after the first three only (nothing compiled is timed).
 
-    python benchmarks/bench_step_alternated.py [--model linear10] [--threads 1] [--rounds 9] \
+    python benchmarks/bench_step_alternated.py [--model linear10] [--threads 1 2] [--rounds 9] \
         [--dtype bfloat16] [--start-step 20000]
 
 ``--start-step`` moves every optimizer's step count on before timing: from about 16,600 steps
@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
                         help="the first is the reference of the ratios (default: torch's fused AdamW)")
     parser.add_argument("--model", choices=sorted(MODELS), default="linear10")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1],
+                        help="thread counts; several (1 2) take turns in the same rounds, so each row's "
+                             "thread scaling compares times measured minutes apart on no shared host")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the parameters' dtype (bfloat16: rounded writes, no master weights; torch's "
@@ -70,18 +72,30 @@ def main(argv=None) -> int:
     names, skipped = harness.resolve_optimizers(args.optimizers, all_names=OPTIMIZERS)
     for name in skipped:
         print(f"skipping {name}: its package is not installed", file=sys.stderr)
-    torch.set_num_threads(args.threads)
+    threads = sorted(set(args.threads))
+    torch.set_num_threads(threads[0])
     from_step = f" from step {args.start_step}" if args.start_step else ""
-    steps = {name: stepper(name, args.model, getattr(torch, args.dtype), args.start_step) for name in names}
-    seconds = harness.alternated_seconds(steps, rounds=args.rounds, calls=args.steps)
-    medians = {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
+    dtype = getattr(torch, args.dtype)
+    steppers = {name: stepper(name, args.model, dtype, args.start_step) for name in names}
+    steps = {(name, count): steppers[name] for count in threads for name in names}
+
+    def before_turn(key):
+        torch.set_num_threads(key[1])
+        steps[key]()  # untimed: the first step at a new thread count starts its threads
+
+    seconds = harness.alternated_seconds(steps, rounds=args.rounds, calls=args.steps, before_turn=before_turn)
+    medians = {key: statistics.median(values) * 1e3 for key, values in seconds.items()}
     reference = names[0]
-    rows = [{"optimizer": name, "label": harness.OPTIMIZERS[name].label, "ms_per_step": medians[name],
-             "ratio": medians[name] / medians[reference]} for name in names]
+    rows = [{"optimizer": name, "label": harness.OPTIMIZERS[name].label, "threads": count,
+             "ms_per_step": medians[name, count], "ratio": medians[name, count] / medians[reference, count],
+             "thread_scaling": medians[name, threads[0]] / medians[name, count]}
+            for count in threads for name in names]
     columns = [
         harness.Column("optimizer", "label"),
+        harness.Column("threads", "threads"),
         harness.Column("ms/step (median)", "ms_per_step", "{:.2f}"),
         harness.Column(f"x {harness.OPTIMIZERS[reference].label}", "ratio", "{:.2f}x"),
+        harness.Column(f"speed-up over {threads[0]} thread(s)", "thread_scaling", "{:.2f}x"),
     ]
     env = harness.environment(torch.device("cpu"))
     harness.report(args.out, "step_alternated", rows, columns, env=env,
@@ -89,7 +103,7 @@ def main(argv=None) -> int:
                            f"{args.steps} steps each{from_step}, "
                            f"CPU kernel path {cpu_kernel.default_isa()}; "
                            f"{harness.machine_line(env)}",
-                   config={"model": args.model, "dtype": args.dtype, "threads": args.threads,
+                   config={"model": args.model, "dtype": args.dtype, "threads": threads,
                            "rounds": args.rounds, "steps": args.steps, "start_step": args.start_step})
     return 0
 

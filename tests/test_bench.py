@@ -203,6 +203,18 @@ def test_warmup_cosine_shape():
     assert factor(100) == pytest.approx(0.1)
 
 
+def test_alternated_timing_prepares_each_turn_untimed():
+    # bench_step_alternated sets a turn's thread count in before_turn; the calls of a turn must
+    # follow their own preparation, in turn order, round after round.
+    events = []
+    functions = {key: (lambda key=key: events.append(("call", key))) for key in ("a", "b")}
+    seconds = harness.alternated_seconds(functions, rounds=2, calls=3,
+                                         before_turn=lambda key: events.append(("prepare", key)))
+    turn = lambda key: [("prepare", key)] + [("call", key)] * 3  # noqa: E731
+    assert events == (turn("a") + turn("b")) * 2
+    assert {key: len(values) for key, values in seconds.items()} == {"a": 2, "b": 2}
+
+
 def test_corpus_split_and_batches():
     corpus = load_corpus()
     assert corpus.val.numel() > 10_000 and corpus.train.numel() > 8 * corpus.val.numel()

@@ -240,13 +240,16 @@ def timed(fn: Callable, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def alternated_seconds(functions: dict, *, rounds: int, calls: int) -> dict:
+def alternated_seconds(functions: dict, *, rounds: int, calls: int, before_turn=None) -> dict:
     """Seconds per call of each of ``functions`` (CPU work), the functions taking turns: each
     called ``calls`` times in a row, round after round, so that a slow minute of a shared host
-    slows all of them alike. One list of ``rounds`` per-call times per key."""
+    slows all of them alike. One list of ``rounds`` per-call times per key. ``before_turn(key)``,
+    if given, runs untimed before each turn (setting the thread count that key is timed at)."""
     seconds = {key: [] for key in functions}
     for _ in range(rounds):
         for key, fn in functions.items():
+            if before_turn is not None:
+                before_turn(key)
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
