@@ -98,6 +98,7 @@ def main(argv=None) -> int:
         harness.Column(f"speed-up over {threads[0]} thread(s)", "thread_scaling", "{:.2f}x"),
     ]
     env = harness.environment(torch.device("cpu"))
+    env["torch_threads"] = "/".join(map(str, threads))  # the counts the rows were timed at
     harness.report(args.out, "step_alternated", rows, columns, env=env,
                    heading=f"{MODELS[args.model][0].replace('fp32', args.dtype)}, {args.rounds} rounds of "
                            f"{args.steps} steps each{from_step}, "
