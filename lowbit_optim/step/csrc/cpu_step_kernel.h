@@ -75,13 +75,12 @@ constexpr int kCellPositionShift = 1 + 8 + 7;
 // exponent (-6) in it, and the anchor 2**20 times the binade's start (e4m3fn keeps 3 of
 // float32's 23 mantissa bits, so 20 are dropped). The anchor's bits shifted right by 20 are
 // 8 (127 + e + 20); the code of a normal is 8 (e + 7) + steps - 8 and of a subnormal
-// (e = -6) steps: both are steps + (anchor >> 20) - 8 (127 - 6 + 20).
+// (e = -6) steps: both are steps + (anchor >> 20) - 8 (127 - 6 + 20), the offset 1128.
 constexpr int32_t kFloat32ExponentMask = 0x7F800000;
 constexpr int kE4M3DroppedBits = 23 - 3;
 constexpr int32_t kE4M3LeastExponent = (127 - 6) << 23;
 constexpr int32_t kE4M3AnchorShift = kE4M3DroppedBits << 23;
 constexpr int32_t kE4M3AnchorCodeOffset = (127 - 6 + kE4M3DroppedBits) << 3;
-static_assert(kE4M3AnchorCodeOffset == 1128, "");
 
 // An encoder's constants (cpu_step_args.h's EncoderConstants) as its block loop reads them, built
 // once per range of blocks. Built for every block, the search's 48 midpoints were written one
@@ -160,10 +159,11 @@ struct BlockEncoder : EncoderTables {
       const F y = V::mul(n, V::set1(448.0f));
       // A zero-free format's n is +0 or past its first edge (the select above): no sign to move.
       const I magnitude = zero_free ? V::bits(y) : V::iand(V::bits(y), V::set1i(0x7FFFFFFF));
-      const I anchor = V::iadd(V::imax(V::iand(magnitude, V::set1i(kFloat32ExponentMask)), V::set1i(kE4M3LeastExponent)),
-                               V::set1i(kE4M3AnchorShift));
+      const I binade = V::imax(V::iand(magnitude, V::set1i(kFloat32ExponentMask)), V::set1i(kE4M3LeastExponent));
+      const I anchor = V::iadd(binade, V::set1i(kE4M3AnchorShift));
       const I steps = V::isub(V::bits(V::add(V::as_float(magnitude), V::as_float(anchor))), anchor);
-      const I code = V::iadd(steps, V::isub(V::srl(anchor, kE4M3DroppedBits), V::set1i(kE4M3AnchorCodeOffset)));
+      const I below = V::isub(V::srl(anchor, kE4M3DroppedBits), V::set1i(kE4M3AnchorCodeOffset));
+      const I code = V::iadd(steps, below);
       return zero_free ? code : V::ior(code, V::iand(V::srl(V::bits(y), 24), V::set1i(0x80)));
     } else {
       static_assert(kEncoder == kCells);
