@@ -1,7 +1,7 @@
 """Host cost of the Triton path's step, measured on CPU with the kernel launch stubbed.
 
 A GPU step's wall time is the kernel's plus the Python around it; on a model with hundreds of
-parameters the Python was the larger part (issue 17: ~13-25 us per parameter, 15 ms per step
+parameters the Python is the larger part if redone every step (~13-25 us per parameter, 15 ms per step
 for 562 parameters). Here every host-side piece runs for real (the group's plan and its
 checks, ``lowbit_optim.step.plan``; the float-state step of the small parameters; each kind's
 launches and layout table, ``lowbit_optim.step.kernels.plan``) and only

@@ -1,5 +1,5 @@
 """CPU offload: host memory and host step time of ``CPUOffloadOptimizer`` with our low-bit
-optimizers against the fp32 AdamW host step that torchao's offload runs (issue 18).
+optimizers against the fp32 AdamW host step that torchao's offload runs.
 
 Workload: the benchmark's ``gpu-114m`` ByteGPT (114M parameters, fp32) by default; each
 optimizer trains it for a few steps in a fresh process (real forward/backward on a short

@@ -5,7 +5,7 @@ peak above what was live before the step, against the size of fp32 AdamW's whole
     python benchmarks/bench_transient.py --rows 8192 --chunks 1048576 0
 
 ``--chunks`` lists values of ``chunks.CHUNK_ELEMENTS`` to compare (0: the whole parameter in
-one call, the behaviour before issue 13). Prints a markdown table and writes JSON rows.
+one call, unchunked). Prints a markdown table and writes JSON rows.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""GPU check of ``CPUOffloadOptimizer`` (issue 18): GPU memory saved, iteration and step time
+"""GPU check of ``CPUOffloadOptimizer``: GPU memory saved, iteration and step time
 against torchao's wrapper, and whether the gradient copies overlap backward (profiler trace).
 
 Trains the benchmark's ByteGPT (``--model-size``, default gpu-114m; fp32 weights, bf16

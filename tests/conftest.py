@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-# No torch.set_num_threads here: the suite must pass at any thread count (issue 12), so it runs
+# No torch.set_num_threads here: the suite must pass at any thread count, so it runs
 # at torch's default (the machine's cores, or OMP_NUM_THREADS). Tests that need a given count
 # set it for their own duration with ``num_threads``.
 

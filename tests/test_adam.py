@@ -1,4 +1,4 @@
-"""Adam8bit / Adam4bit: torch.optim.Adam's L2 weight decay with our state formats (issue 15)."""
+"""Adam8bit / Adam4bit: torch.optim.Adam's L2 weight decay with our state formats."""
 
 import pytest
 import torch

@@ -324,7 +324,7 @@ def test_gpu_preset_is_large_and_its_state_keeps_the_promised_saving():
     # biases and norms (0.14% of the parameters) keep fp32 state, giving 3.92x and 7.46x.
     assert fp32 / expected_state_bytes(model, AdamW8bit) > 3.9
     assert fp32 / expected_state_bytes(model, AdamW4bit) > 7.4
-    # The factored class (issue 16): 0.5 + 4/128 B for the first moment, the factors next to
+    # The factored class: 0.5 + 4/128 B for the first moment, the factors next to
     # nothing; 0.549 B/param (14.6x less than fp32) with the fp32 biases and norms.
     params = sum(p.numel() for p in model.parameters())
     assert expected_state_bytes(model, AdamWFactored4bit) / params <= 0.6

@@ -1,5 +1,5 @@
 """Checkpoints: exact resume, dtype/device casts on load, conversion to and from
-torch.optim.AdamW, and state dicts that do not fit (issue 4)."""
+torch.optim.AdamW, and state dicts that do not fit."""
 
 import io
 import re

@@ -41,7 +41,7 @@ def ieee_sqrt(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "sqrt", lambda self: eager_sqrt(self.double()).to(self.dtype))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kernel():
     if not cpu_kernel.load():
         pytest.skip("the C++ CPU step could not be built here")

@@ -1,4 +1,4 @@
-"""The Triton kernel on a real GPU against the CPU reference (issue 17, item 7).
+"""The Triton kernel on a real GPU against the CPU reference.
 
 Every test here is marked ``cuda`` (skipped without a GPU; ``benchmarks/gpu_check.sh`` runs
 them). They compare the compiled kernel with ``quantized_adamw_step`` run eagerly **on the

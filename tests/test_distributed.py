@@ -1,11 +1,11 @@
-"""FSDP2, DDP and distributed checkpoints (DCP) on CPU with gloo, in spawned processes (issue 8).
+"""FSDP2, DDP and distributed checkpoints (DCP) on CPU with gloo, in spawned processes.
 
 One 2-rank run and one 1-rank run (module fixture ``runs``) do all the distributed work and
 save what they saw; the tests compare it with single-process runs made here. Every rank
 trains on the same batch, so data-parallel gradient averaging is exact ((g + g) / 2 == g)
 and any difference comes from the optimizer alone: that is what lets most bounds be zero.
 
-Exact comparisons replay gradients, they do not recompute them (issue 12). A forward and
+Exact comparisons replay gradients, they do not recompute them. A forward and
 backward here and the same one in a worker agree only to float rounding: they run at other
 thread counts (a worker at 1 thread, this process at its own), and x86 torch computes them
 with MKL, whose matmul (and vector math: ``tanh``, ``exp``, even ``sqrt``) results depend on
@@ -31,7 +31,7 @@ a block edge), and the second weight's shards (132 and 99 elements) are each bel
 ``min_quant_size`` although the weight (231) is not: the decision must use the global size.
 ``AdamWFactored4bit`` factors the first weight's second moment (33 rows, 40 columns; the
 second weight's factors would cost more than its 4-bit map) and its ranks sum their column
-statistics each step (issue 16): most tests run it too, the blockwise-only ones do not.
+statistics each step: most tests run it too, the blockwise-only ones do not.
 """
 
 import gc

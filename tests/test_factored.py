@@ -1,4 +1,4 @@
-"""AdamWFactored4bit (issue 16, part 2): the factored step against a pure-PyTorch reference,
+"""AdamWFactored4bit: the factored step against a pure-PyTorch reference,
 which parameters are factored, the clamp at Adam's bound, chunking, errors."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The quantization maps, codecs and blockwise formats (issue 2)."""
+"""The quantization maps, codecs and blockwise formats."""
 
 import re
 
@@ -111,7 +111,7 @@ def test_encode_at_midpoints_errs_by_at_most_a_few_ulps(fmt):
 
 
 def reference_encode(fmt, normalized):
-    """The encoders as first written (issue 2), the oracle for the faster ones: a 16-entry map
+    """The encoders in their plainest form, the oracle for the faster ones: a 16-entry map
     counts the midpoints a value exceeds; a dynamic map takes the decade from ``log10``,
     selects its constants with ``decade == d`` and corrects at the decade's lower midpoint
     and at the top; float8 is torch's cast. Stored states, old checkpoints and the Triton kernel
@@ -342,7 +342,7 @@ def test_unknown_format_and_bad_block_size():
 
 @pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
 def test_compiled_cpu_step_has_no_scalar_fallbacks(optimizer):
-    """Guards issue 14's CPU speed-ups in Inductor's generated C++: no float64 ``std::pow``
+    """Guards the compiled step's CPU speed in Inductor's generated C++: no float64 ``std::pow``
     per vector iteration (the bias corrections are computed once), no element-by-element
     ``std::isnan`` loop (no ``nan_to_num``), no bounds-checked gather, no ``log10``, and for
     4-bit no unpacked int32 copy of the codes (the halves are never stacked)."""

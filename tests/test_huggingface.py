@@ -1,4 +1,4 @@
-"""Hugging Face Trainer integration (issue 6): optim names, optim_args, a real Trainer run, resume.
+"""Hugging Face Trainer integration: optim names, optim_args, a real Trainer run, resume.
 
 One 20-step 4-bit Trainer run (compiled) and its resumption from step 10 are shared by the
 tests through module-scoped fixtures; the other routes run 2-4 steps each on the eager backend

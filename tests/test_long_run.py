@@ -1,5 +1,5 @@
 """5,000 steps of a small model under warmup + cosine, each format against torch.optim.AdamW
-on the same data (issue 4). Marked slow; CI runs it (about 25 s per format on 2 cores with
+on the same data. Marked slow; CI runs it (about 25 s per format on 2 cores with
 the eager backend, which needs no compile; it differs from the compiled one by float rounding
 only: tests/test_optimizer.py)."""
 

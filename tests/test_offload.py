@@ -1,4 +1,4 @@
-"""CPUOffloadOptimizer (issue 18): the offloaded optimizer steps exactly like the same optimizer
+"""CPUOffloadOptimizer: the offloaded optimizer steps exactly like the same optimizer
 without offload.
 
 Without a GPU the "device" is the CPU: parameters and gradients still travel between distinct

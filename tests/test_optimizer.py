@@ -1,4 +1,4 @@
-"""AdamW8bit / AdamW4bit: drop-in behaviour, accuracy against torch.optim.AdamW, errors (issue 3)."""
+"""AdamW8bit / AdamW4bit: drop-in behaviour, accuracy against torch.optim.AdamW, errors."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Bad input and faults: non-finite gradients, GradScaler, missing, intermittent and odd
-gradients, empty and 0-d parameters, extreme magnitudes (issue 4).
+gradients, empty and 0-d parameters, extreme magnitudes.
 
 The non-finite policy (lowbit_optim.step.math.adamw_update): an element whose gradient is
 NaN or ±inf keeps its parameter value and its moments for that step.

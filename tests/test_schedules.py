@@ -1,4 +1,4 @@
-"""No recompiles and no per-step device tensors, whatever changes the hyperparameters (issue 3)."""
+"""No recompiles and no per-step device tensors, whatever changes the hyperparameters."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Parameters with float moments (norms, biases) are stepped together (issue 17, item 4)."""
+"""Parameters with float moments (norms, biases) are stepped together."""
 
 import collections
 

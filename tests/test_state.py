@@ -1,4 +1,4 @@
-"""QuantizedState: the aten-op table, serialization and torch.compile tracing (issue 2)."""
+"""QuantizedState: the aten-op table, serialization and torch.compile tracing."""
 
 import io
 
@@ -85,7 +85,7 @@ def test_save_and_load_weights_only_is_exact(state):
 
 def test_compiled_functions_trace_both_formats_in_one_process():
     # torchao's state classes crashed an 8-bit run served from a cache holding 4-bit graphs
-    # (shared FINDINGS): flatten/unflatten carry the format, so the graphs stay apart.
+    # in one process; ours carry the format through flatten/unflatten, so the graphs stay apart.
     @torch.compile(dynamic=False)
     def double_dequantized(state):
         return state.format.dequantize_blocks(state.codes, state.scales).view(-1) * 2

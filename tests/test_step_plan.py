@@ -1,4 +1,4 @@
-"""The per-group step plan (``lowbit_optim.step.plan``, issue 17 item 3) never serves anything stale.
+"""The per-group step plan (``lowbit_optim.step.plan``) never serves anything stale.
 
 Each scenario runs two optimizers side by side on identical parameters and gradients: one
 keeps its plans between steps (what every user gets), the other has them discarded before

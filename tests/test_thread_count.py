@@ -1,4 +1,4 @@
-"""The optimizer step gives the same bits at any thread count (issue 12).
+"""The optimizer step gives the same bits at any thread count.
 
 Why it matters: the exact comparisons in tests/test_distributed.py replay a worker's
 gradients (the worker at 1 thread) in this process (at its own count), and a checkpoint

@@ -439,7 +439,7 @@ def test_cuda_matches_eager_no_copies_no_rejit(optimizer_class):
         assert_close_verbose(a.detach(), e.detach(), rtol=0.0, atol=3 * total_lr, name="cuda params")
 
 
-# --- host side: layouts, device, seeds (issue 17) ---------------------------------------------
+# --- host side: layouts, device, seeds ---------------------------------------------------
 def test_layout_table_and_cache_key_include_dtypes():
     """The table holds each tensor's offset in elements from its list's first tensor; the same
     addresses with another element size are another layout, not a cache hit."""

@@ -1,4 +1,4 @@
-"""Patterns users write, each a test named after it (issue 13).
+"""Patterns users write, each a test named after it.
 
 Every one of these failed or misbehaved before while the rest of the suite passed: the
 compiled-optimizer tutorial, generator param groups, deepcopy/pickle, one big embedding,
@@ -200,7 +200,7 @@ def test_one_big_embedding_step_temporaries_stay_below_a_tenth_of_fp32_adamw_sta
     """A 50.3M-element embedding: before, one 4-bit step allocated ~1155 MiB of temporaries
     (8-bit ~385 MiB) against fp32 AdamW's whole state of 384 MiB. Stepped in chunks of
     ``chunks.CHUNK_ELEMENTS`` the temporaries stay under a fixed budget: bound 10% of fp32
-    AdamW's state, as issue 13 asks (measured: 24 MiB 4-bit, 8 MiB 8-bit)."""
+    AdamW's state (measured: 24 MiB 4-bit, 8 MiB 8-bit)."""
     embedding = torch.nn.Embedding(49152, 1024)
     numel = embedding.weight.numel()
     optimizer = cls(embedding.parameters())

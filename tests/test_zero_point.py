@@ -1,4 +1,4 @@
-"""No element's update blows up, whatever the gradients (issue 16: the zero-point hazard).
+"""No element's update blows up, whatever the gradients (the zero-point hazard).
 
 Adam's own bound. With ``m_t = (1 - b1) sum_k b1**k g_{t-k}`` and ``v_t = (1 - b2) sum_k
 b2**k g_{t-k}**2``, Cauchy-Schwarz gives ``|m_t| <= (1 - b1) sqrt(sum_k (b1**2 / b2)**k)
@@ -42,7 +42,7 @@ def adam_bound(step: int, betas=BETAS) -> float:
 
 
 def repro_move(make) -> float:
-    """The issue's repro: a gradient 1e-4 next to 1.0 in one block, then 0; returns how far
+    """The zero-point repro: a gradient 1e-4 next to 1.0 in one block, then 0; returns how far
     the small element moved."""
     param = torch.nn.Parameter(torch.zeros(4096))
     optimizer = make([param])
@@ -178,7 +178,7 @@ def test_factored_updates_stay_within_adams_own_bound(sequence, spread):
                          ids=lambda value: getattr(value, "__name__", value))
 def test_checkpoint_saved_before_the_zero_free_map_loads_and_keeps_its_codes(cls, plain_format):
     """A checkpoint whose second moments are in the plain format of the zero-free one (an
-    AdamW8bit checkpoint from before issue 16: ``dynamic8-unsigned``; a float8 state in the plain
+    AdamW8bit checkpoint from before the zero-free map: ``dynamic8-unsigned``; a float8 state in the plain
     ``float8-e4m3`` format) loads as it is: codes and scales unchanged, the format relabelled (only code 0
     now reads as half the smallest value instead of 0), and training goes on."""
     torch.manual_seed(0)

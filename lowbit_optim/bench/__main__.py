@@ -33,9 +33,9 @@ ALL_OPTIMIZERS = DEFAULT_OPTIMIZERS + ("lowbit_fp8",) + harness.PEERS
 # empty compile and extension caches (the C++ CPU step built in ~15 s; README.md says so). Its
 # 500 steps take the model well past the ~3.1-nat unigram plateau (to ~1.93 nats), where the
 # gap to fp32 AdamW on the same seed varies by under 0.5 points between seeds, so a 3-seed mean
-# resolves the 1% target (measured in docs/benchmarks.md).
+# resolves a 1% difference (measured in docs/benchmarks.md).
 # Every preset clips the gradient norm to 1.0 (the GPT recipe): without it, the 300-step
-# runs that preceded this default drifted apart by 3-8% between optimizers on the same seed.
+# runs tried without it drifted apart by 3-8% between optimizers on the same seed.
 PRESETS = {
     "quick": dict(model=ModelConfig(d_model=64, n_layers=2, n_heads=2, context=64),
                   steps=30, batch_size=8, lr=3e-3, eval_every=15, eval_batches=2),

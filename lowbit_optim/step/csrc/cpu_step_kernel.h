@@ -33,7 +33,7 @@
 // Block::update for bfloat16/float16 parameters on every path and, once the update had a
 // guarded and an unguarded form, for some float32 ones, and called it once per vector with its
 // vectors passed through memory (AdamW8bit on the AVX2 path: 1.24x the time; forced, bfloat16
-// AdamW4bit and AdamW8bit took 0.86x and 0.85x the time of the previous build).
+// AdamW4bit and AdamW8bit took 0.86x and 0.85x the time of the build without it).
 #define LOWBIT_BLOCK_INLINE inline __attribute__((always_inline))
 
 #include "constant_divisor.h"
