@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_same_state
 
 from lowbit_optim import AdamW8bit, master_weights_state_dict
 from lowbit_optim.step.master_weights import CORRECTION_KEY
-from helpers import assert_same_state
 
 BACKENDS = ["cpu", "compile", "eager", "triton"]
 # float16 master weights are float32 bit for bit from this magnitude up (24 bits: a bfloat16
@@ -129,7 +129,7 @@ def test_model_bfloat16_after_float16_training_restarts_the_master_weight_with_a
 
 
 @pytest.mark.parametrize(("saved_bits", "loaded_bits"), [(24, 32), (32, 24), (32, None)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_checkpoint_of_other_master_weight_bits_loads_and_saves_and_reloads_bit_exactly(
         backend, saved_bits, loaded_bits, dtype):
     model, optimizer = make(dtype, saved_bits, backend)

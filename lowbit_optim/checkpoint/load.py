@@ -36,6 +36,7 @@ from lowbit_optim.state.quantized import QuantizedState
 from lowbit_optim.state.sharding import is_dtensor, local, wrap_like
 from lowbit_optim.step.master_weights import (
     CORRECTED_DTYPES,
+    CORRECTION_DTYPES,
     CORRECTION_KEY,
     convert_correction,
     correction_dtype,
@@ -194,7 +195,7 @@ def _fit_corrections(state_dict: dict, slots: dict) -> tuple[dict, int]:
         slot = slots.get(saved_id)
         value = entry.get(CORRECTION_KEY) if isinstance(entry, Mapping) else None
         shard = local(value)
-        if slot is None or not isinstance(shard, torch.Tensor) or shard.dtype not in (torch.int8, torch.int16):
+        if slot is None or not isinstance(shard, torch.Tensor) or shard.dtype not in CORRECTION_DTYPES:
             state[saved_id] = entry
             continue
         bits = slot.group["master_weight_bits"]

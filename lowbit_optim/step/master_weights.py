@@ -61,6 +61,8 @@ MASTER_WEIGHT_BITS = (24, 32)
 CORRECTION_KEY = "master_weight_correction"
 # The parameter dtypes that keep a correction (float32 and float64 are their own masters).
 CORRECTED_DTYPES = (torch.bfloat16, torch.float16)
+# The corrections' dtypes: int8 for 24 bits, int16 for 32.
+CORRECTION_DTYPES = (torch.int8, torch.int16)
 
 # --- bfloat16 -------------------------------------------------------------------------------
 # A bfloat16 value is the upper half of a float32's bits: the parameter is bits >> 16.
@@ -224,7 +226,8 @@ def check_loaded_correction(label: str, param: torch.Tensor, bits, value) -> Non
         raise ValueError(f"{where} has shape {tuple(value.shape)}, not the parameter's")
 
 
-def convert_correction(correction: torch.Tensor, param_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+def convert_correction(correction: torch.Tensor, param_dtype: torch.dtype,
+                       dtype: torch.dtype) -> torch.Tensor:
     """``correction`` of a ``param_dtype`` parameter as a ``dtype`` (int8 or int16) one for the
     same parameter, which keeps its value (a DTensor's shard by shard).
 
