@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import assert_same_state
 
+import lowbit_optim
 from lowbit_optim import AdamW8bit, master_weights_state_dict
 from lowbit_optim.step.master_weights import CORRECTION_KEY
 
@@ -164,3 +165,25 @@ def test_checkpoint_of_other_master_weight_bits_loads_and_saves_and_reloads_bit_
     assert_same_state(twin.state_dict(), loading_optimizer.state_dict())
     for name, value in loading.state_dict().items():
         assert torch.equal(twin_model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("cast", ["float", "half"])
+def test_model_cast_under_gradient_release_matches_ordinary_stepping(cast):
+    runs = []
+    for release in (False, True):
+        model, optimizer = make(torch.bfloat16, 32, "eager")
+        handle = lowbit_optim.release_gradients(optimizer) if release else None
+        for step in range(4):
+            if step == 2:
+                getattr(model, cast)()
+            inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).to(model.weight.dtype)
+            model(inputs).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if handle is not None:
+            handle.remove()
+        runs.append((model, optimizer))
+    (plain, plain_optimizer), (released, released_optimizer) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), released.parameters()))
+    assert_same_state(released_optimizer.state_dict(), plain_optimizer.state_dict())
+    assert all((CORRECTION_KEY in plain_optimizer.state[p]) == (cast == "half") for p in plain.parameters())
