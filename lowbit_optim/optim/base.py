@@ -308,6 +308,8 @@ class LowBitOptimizer(Optimizer):
         calls that do it; refuses an option the states cannot follow. Nothing is modified."""
         options = group_options.snapshot(group)
         previous = self._storage_options.get(index)
+        if options == previous and not params:  # the cached step's case: nothing to look at
+            return options, []
         actions = []
         if options != previous:
             group_options.check_layouts(self, index, group, previous)
