@@ -13,7 +13,9 @@ loading and ``PreparedLoad.finish`` after it. That wrapper exists for three reas
 * a ``torch.optim.AdamW`` state dict is recognised (its groups have no ``block_size``) and its
   moments are quantized on the way in (``convert.from_torch_adamw``);
 * a state dict gathered from FSDP2 shards holds float moments, stored again here, and one
-  saved in an older format this one reads is relabelled.
+  saved in an older format this one reads is relabelled;
+* master weight corrections follow the loading optimizer's ``master_weight_bits``: widened
+  from 24 to 32 bits, narrowed from 32 to 24, dropped (with a warning) without master weights.
 
 See ``docs/checkpoints.md``.
 """

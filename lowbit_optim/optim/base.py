@@ -8,9 +8,11 @@ factored, ``is_factored``); all behaviour lives here. Parameters with at least
 norms) keep float32 moments (float64 for float64 parameters), which cost little and follow
 the rule's exact arithmetic (``torch.optim.AdamW``'s, for AdamW) to within rounding.
 With ``master_weight_bits`` (24 or 32), each bfloat16 or float16 parameter also keeps an integer
-correction that makes it a 24- or 32-bit master weight (``master_weights``).
+correction that makes it a 24- or 32-bit master weight (``master_weights``), kept right for
+its parameter across casts of the model (``master_weight_casts``).
 ``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
-the optimizer owns (see ``hyperparams``).
+the optimizer owns (see ``hyperparams``). Their storage options (``block_size``, ``amsgrad``,
+...) may be edited too: ``step()`` follows or refuses them (``group_options``).
 """
 
 import torch
