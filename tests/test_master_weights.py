@@ -229,7 +229,7 @@ def test_a_loaded_correction_of_the_wrong_dtype_is_refused_and_nothing_changes()
     set_gradients(params)
     optimizer.step()
     saved = optimizer.state_dict()
-    saved["state"][0][CORRECTION_KEY] = saved["state"][0][CORRECTION_KEY].to(torch.int16)
+    saved["state"][0][CORRECTION_KEY] = saved["state"][0][CORRECTION_KEY].to(torch.int32)
     before = optimizer.state[params[0]][CORRECTION_KEY].clone()
     with pytest.raises(ValueError, match="master_weight_correction must be a torch.int8 tensor"):
         optimizer.load_state_dict(saved)

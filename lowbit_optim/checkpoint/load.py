@@ -13,12 +13,15 @@ loading and ``PreparedLoad.finish`` after it. That wrapper exists for three reas
 * a ``torch.optim.AdamW`` state dict is recognised (its groups have no ``block_size``) and its
   moments are quantized on the way in (``convert.from_torch_adamw``);
 * a state dict gathered from FSDP2 shards holds float moments, stored again here, and one
-  saved in an older format this one reads is relabelled.
+  saved in an older format this one reads is relabelled;
+* master weight corrections follow the loading optimizer's ``master_weight_bits``: widened
+  from 24 to 32 bits, narrowed from 32 to 24, dropped (with a warning) without master weights.
 
 See ``docs/checkpoints.md``.
 """
 
 import copy
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,7 +36,15 @@ from lowbit_optim.checkpoint.validate import (
 )
 from lowbit_optim.state.quantized import QuantizedState
 from lowbit_optim.state.sharding import is_dtensor, local, wrap_like
-from lowbit_optim.step.master_weights import CORRECTION_KEY, needs_correction, zeros_correction
+from lowbit_optim.step.master_weights import (
+    CORRECTED_DTYPES,
+    CORRECTION_DTYPES,
+    CORRECTION_KEY,
+    convert_correction,
+    correction_dtype,
+    needs_correction,
+    zeros_correction,
+)
 from lowbit_optim.step.math import compute_dtype
 
 
@@ -46,8 +57,17 @@ class PreparedLoad:
     state_dict: dict
     slots: dict
     held: dict
+    # Corrections dropped because the loading optimizer keeps none (``master_weight_bits=None``).
+    dropped_corrections: int = 0
 
     def finish(self, optimizer) -> None:
+        if self.dropped_corrections:
+            warnings.warn(
+                f"{type(optimizer).__name__}.load_state_dict: the state dict holds master weight "
+                f"corrections for {self.dropped_corrections} parameter(s), which this optimizer "
+                "(master_weight_bits=None) does not keep: dropped, the parameters resume as they are. "
+                "Build the optimizer with master_weight_bits=24 or 32 to keep them",
+                stacklevel=3)
         bits_of = {id(p): g["master_weight_bits"] for g in optimizer.param_groups for p in g["params"]}
         for saved_id, (order, values) in self.held.items():
             param = self.slots[saved_id].param
@@ -80,6 +100,9 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
         # Mapped again: the converted groups now carry this optimizer's block sizes.
         slots = slots_of(optimizer, state_dict)
     state_dict = _with_current_group_options(optimizer, state_dict)
+    # Mapped again: the groups now carry this optimizer's master_weight_bits.
+    slots = slots_of(optimizer, state_dict)
+    state_dict, dropped = _fit_corrections(state_dict, slots)
     # The optimizer keeps a copy: its step updates moments in place and replaces ``step``, so
     # state shared with the caller's dict would leave that dict half trained, an
     # inconsistent checkpoint. One copy of the state, at load time only; made after the
@@ -93,7 +116,7 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
                 if k not in ("step", CORRECTION_KEY) and not _is_plain_moment(optimizer, k, v)}
         held[saved_id] = (list(entry), {k: v for k, v in entry.items() if k not in keep})
         state[saved_id] = keep
-    return PreparedLoad({**state_dict, "state": state}, slots, held)
+    return PreparedLoad({**state_dict, "state": state}, slots, held, dropped)
 
 
 def _is_plain_moment(optimizer, key, value) -> bool:
@@ -161,6 +184,32 @@ def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
         return wrap_like(adopted, value) if is_dtensor(value) else adopted
 
     return _map_moments(state_dict, slots, optimizer.rule.all_moment_keys, convert)
+
+
+def _fit_corrections(state_dict: dict, slots: dict) -> tuple[dict, int]:
+    """``state_dict`` with each saved correction fitted to the loading optimizer's
+    ``master_weight_bits`` (already in the groups), and how many were dropped: a 24-bit one
+    widened to 32 bits exactly, a 32-bit one narrowed to 24 (``convert_correction``), one of a
+    bfloat16 or float16 parameter whose group keeps none dropped. Anything else is left to be
+    checked (``check_loaded_correction``). Nothing is modified."""
+    state, dropped = {}, 0
+    for saved_id, entry in state_dict["state"].items():
+        slot = slots.get(saved_id)
+        value = entry.get(CORRECTION_KEY) if isinstance(entry, Mapping) else None
+        shard = local(value)
+        if slot is None or not isinstance(shard, torch.Tensor) or shard.dtype not in CORRECTION_DTYPES:
+            state[saved_id] = entry
+            continue
+        bits = slot.group["master_weight_bits"]
+        entry = dict(entry)
+        if needs_correction(slot.param, bits):
+            if shard.dtype != correction_dtype(bits) and tuple(value.shape) == tuple(slot.param.shape):
+                entry[CORRECTION_KEY] = convert_correction(value, slot.param.dtype, correction_dtype(bits))
+        elif bits is None and slot.param.dtype in CORRECTED_DTYPES:
+            del entry[CORRECTION_KEY]
+            dropped += 1
+        state[saved_id] = entry
+    return {**state_dict, "state": state}, dropped
 
 
 def _with_current_group_options(optimizer, state_dict: dict) -> dict:

@@ -31,6 +31,14 @@ def _stepped_param(optimizer, param: torch.Tensor) -> torch.Tensor:
         return param
 
 
+def _sync_master_weights(optimizer) -> None:
+    """The corrections brought in line with their parameters as they are now, as the next step
+    would (a model cast since: ``optim.master_weight_casts``)."""
+    sync = getattr(getattr(optimizer, "host_optimizer", optimizer), "_sync_master_weights", None)
+    if sync is not None:
+        sync()
+
+
 def _float32(value: torch.Tensor) -> torch.Tensor:
     return value.detach().clone() if value.dtype == torch.float64 else value.detach().to(torch.float32)
 
@@ -42,7 +50,9 @@ def master_weights_state_dict(model: torch.nn.Module, optimizer) -> dict[str, to
     as its master weight: parameter + correction, exactly the float32 weight the step computes
     with ``master_weight_bits=32`` (float16: from 2**-15 in magnitude up). Loads into a
     float32 copy of the model with ``load_state_dict``. FSDP2 parameters give DTensors sharded
-    like them."""
+    like them. A model cast since the last step (``model.half()``, ``model.float()``) is first
+    followed as the next step would (docs/usage.md, "Casting the model")."""
+    _sync_master_weights(optimizer)
     result = model.state_dict()
     for name, param in model.named_parameters():
         if not param.is_floating_point() or name not in result:
@@ -65,6 +75,7 @@ def load_master_weights(model: torch.nn.Module, optimizer, state_dict, *, strict
     2**-15 in magnitude up; rounded to 24 bits with 24). The
     parameter's optimizer state is created if it has none yet (zero moments, as a first step
     would create them). Returns ``model.load_state_dict``'s result (``strict`` as there)."""
+    _sync_master_weights(optimizer)  # a cast since the last step: first followed
     result = model.load_state_dict(state_dict, strict=strict)
     groups = _groups_by_param(optimizer)
     for name, param in model.named_parameters():
@@ -84,4 +95,5 @@ def load_master_weights(model: torch.nn.Module, optimizer, state_dict, *, strict
                      weights.to(device=local_param.device, dtype=torch.float32).reshape(local_param.shape))
         if stepped is not param:
             param.copy_(stepped)
+    _sync_master_weights(optimizer)  # the corrections made here, remembered with their dtypes
     return result

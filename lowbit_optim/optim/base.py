@@ -8,9 +8,11 @@ factored, ``is_factored``); all behaviour lives here. Parameters with at least
 norms) keep float32 moments (float64 for float64 parameters), which cost little and follow
 the rule's exact arithmetic (``torch.optim.AdamW``'s, for AdamW) to within rounding.
 With ``master_weight_bits`` (24 or 32), each bfloat16 or float16 parameter also keeps an integer
-correction that makes it a 24- or 32-bit master weight (``master_weights``).
+correction that makes it a 24- or 32-bit master weight (``master_weights``), kept right for
+its parameter across casts of the model (``master_weight_casts``).
 ``param_groups`` keep the values the user wrote; the step reads them through 0-d CPU tensors
-the optimizer owns (see ``hyperparams``).
+the optimizer owns (see ``hyperparams``). Their storage options (``block_size``, ``amsgrad``,
+...) may be edited too: ``step()`` follows or refuses them (``group_options``).
 """
 
 import torch
@@ -18,6 +20,8 @@ from torch.optim import Optimizer
 
 from lowbit_optim.checkpoint import load as checkpoint
 from lowbit_optim.formats.catalog import QuantFormat, check_block_size
+from lowbit_optim.optim import group_options
+from lowbit_optim.optim.master_weight_casts import MasterWeightCasts
 from lowbit_optim.state import sharding
 from lowbit_optim.step.chunks import GROUP_STREAM_BITS, TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
@@ -73,6 +77,9 @@ class LowBitOptimizer(Optimizer):
         """What the step keeps between calls besides ``state``: rebuilt, never saved."""
         self._tail_scratch = TailScratch()
         self._caches: list[StepCache] = []  # per param group: its planned step (step.functional)
+        # Per param group index: its storage options as its state was last checked against them.
+        self._storage_options: dict[int, tuple] = {}
+        self._master_weights = MasterWeightCasts()
 
     def _devices(self) -> list[torch.device]:
         return [p.device for group in self.param_groups for p in group["params"]]
@@ -89,6 +96,7 @@ class LowBitOptimizer(Optimizer):
             self.backend = resolve_backend(None, self._devices())
         for group in self.param_groups:
             self._fill_group_options(group)
+        self._master_weights.remember_all(self.param_groups, self.state)
 
     def _fill_group_options(self, group: dict) -> None:
         """Options a group pickled by an older version lacks, at their defaults."""
@@ -108,6 +116,7 @@ class LowBitOptimizer(Optimizer):
         prepared = checkpoint.prepare_load(self, state_dict)
         super().load_state_dict(prepared.state_dict)
         prepared.finish(self)
+        self._master_weights.remember_all(self.param_groups, self.state)
 
     # --- param groups -------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -270,16 +279,19 @@ class LowBitOptimizer(Optimizer):
     )
     def _step(self) -> None:
         self._refuse_graph_capture()
-        # Every group's gradients and hyperparameters are checked before anything changes:
-        # through its kept plan's comparisons while that holds, else one by one.
-        stepped = []
+        # Every group's gradients, options and states are checked before anything changes:
+        # the gradients through its kept plan's comparisons while that holds, else one by one;
+        # the states against the options and the parameters' dtypes when either changed.
+        stepped, changes = [], []
         try:
             for index, group in enumerate(self.param_groups):
                 params, grads = with_gradients(group["params"])
                 states = [*map(self.state.get, params)]
-                if not self._cache(index).holds(self.rule, params, grads, states, self.backend):
+                held = self._cache(index).holds(self.rule, params, grads, states, self.backend)
+                if not held:
                     self._check_grads(params, grads)
-                self.rule.check_hyperparameters(group)
+                self._check_group(group)
+                changes.append(self._state_changes(index, group, () if held else group["params"]))
                 stepped.append((params, grads, states))
         except Exception:
             # A refused group: the groups checked before it step nothing, and their caches
@@ -287,8 +299,43 @@ class LowBitOptimizer(Optimizer):
             for cache in self._caches:
                 cache.checked_grads = None
             raise
+        for index, change in enumerate(changes):
+            self._apply_state_changes(index, change)
         for index, (params, grads, states) in enumerate(stepped):
             self._step_params(index, params, grads, states)
+
+    def _state_changes(self, index: int, group: dict, params) -> tuple[tuple, list]:
+        """Group ``index``'s storage options, and what bringing its states in line with them
+        and with ``params``' dtypes takes (``group_options``, ``master_weight_casts``), as
+        calls that do it; refuses an option the states cannot follow. Nothing is modified."""
+        options = group_options.snapshot(group)
+        previous = self._storage_options.get(index)
+        if options == previous and not params:  # the cached step's case: nothing to look at
+            return options, []
+        actions = []
+        if options != previous:
+            group_options.check_layouts(self, index, group, previous)
+            actions += group_options.amsgrad_changes(self, group)
+            params = group["params"]
+        actions += self._master_weights.changes(type(self).__name__, params, self.state,
+                                                group["master_weight_bits"])
+        return options, actions
+
+    def _apply_state_changes(self, index: int, change: tuple[tuple, list]) -> None:
+        options, actions = change
+        for action in actions:
+            action()
+        if actions:  # the group's plan, checked with the states as they were, plans again
+            self._cache(index).checked_grads = None
+        self._storage_options[index] = options
+
+    def _sync_master_weights(self) -> None:
+        """Bring every correction in line with its parameter's dtype and group
+        (``master_weight_casts``), as the next step would, for code that reads or writes them."""
+        for group in self.param_groups:
+            for action in self._master_weights.changes(type(self).__name__, group["params"], self.state,
+                                                       group["master_weight_bits"]):
+                action()
 
     def _step_params(self, index: int, params: list[torch.Tensor], grads: list[torch.Tensor],
                      states: list | None = None, cache: StepCache | None = None) -> None:
@@ -298,11 +345,15 @@ class LowBitOptimizer(Optimizer):
         (``step``, gradient release) makes. ``cache``: where the planned step of these
         ``params`` is kept (default: the group's, for all its parameters that have a gradient)."""
         group = self.param_groups[index]
+        if states is None:  # gradient release: step()'s checks of the group, for these parameters
+            self._check_group(group)
+            self._apply_state_changes(index, self._state_changes(index, group, params))
         if states is None or not all(states):
             states = [*map(self.state.__getitem__, params)]
             for param, state in zip(params, states):
                 if not state:
                     self._init_state(param, group, state)
+                    self._master_weights.remember(param, state)
         self.rule.step(params, grads, states, **self.rule.keywords(group), maximize=group["maximize"],
                        stochastic_round=group["bf16_stochastic_round"],
                        rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,

@@ -61,6 +61,8 @@ MASTER_WEIGHT_BITS = (24, 32)
 CORRECTION_KEY = "master_weight_correction"
 # The parameter dtypes that keep a correction (float32 and float64 are their own masters).
 CORRECTED_DTYPES = (torch.bfloat16, torch.float16)
+# The corrections' dtypes: int8 for 24 bits, int16 for 32.
+CORRECTION_DTYPES = (torch.int8, torch.int16)
 
 # --- bfloat16 -------------------------------------------------------------------------------
 # A bfloat16 value is the upper half of a float32's bits: the parameter is bits >> 16.
@@ -91,6 +93,8 @@ FLOAT32_MANTISSA_BITS = 23
 FLOAT16_UNIT_FIELD_OFFSET = {torch.int16: 127 - 15 - 24, torch.int8: 127 - 15 - 17}
 # One quiet NaN replaces every NaN, so that every backend's cast writes the same parameter bits.
 CANONICAL_FLOAT16_NAN_BITS = 0x7E00
+# An int8 correction's unit over an int16 one's, as a shift (2**(E - 17) over 2**(E - 24)).
+FLOAT16_24_TO_32_BITS = FLOAT16_UNIT_FIELD_OFFSET[torch.int8] - FLOAT16_UNIT_FIELD_OFFSET[torch.int16]
 
 
 def correction_dtype(bits: int) -> torch.dtype:
@@ -220,3 +224,30 @@ def check_loaded_correction(label: str, param: torch.Tensor, bits, value) -> Non
         raise ValueError(f"{where} must be a {expected} tensor for master_weight_bits={bits}, got {got}")
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"{where} has shape {tuple(value.shape)}, not the parameter's")
+
+
+def convert_correction(correction: torch.Tensor, param_dtype: torch.dtype,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``correction`` of a ``param_dtype`` parameter as a ``dtype`` (int8 or int16) one for the
+    same parameter, which keeps its value (a DTensor's shard by shard).
+
+    24 -> 32 bits is exact: the int8 correction's unit is 2**8 (bfloat16) or 2**7 (float16)
+    of the int16's. 32 -> 24 bits rounds the master weight to the nearest 24-bit one that keeps
+    the parameter: half up (bfloat16) or to nearest even (float16), as the splits round. A
+    bfloat16 remainder from ``2**15 - 2**7`` up, which rounds up to the next parameter, keeps
+    the largest int8 correction instead (127), 1.5 * 2**8 float32 ulps from it at most.
+    """
+    def convert(shard: torch.Tensor) -> torch.Tensor:
+        if shard.dtype == dtype:
+            return shard.clone()
+        scale_bits = MASTER_24_DROPPED_BITS if param_dtype == torch.bfloat16 else FLOAT16_24_TO_32_BITS
+        wide = shard.to(torch.int32)
+        if dtype == torch.int16:
+            return (wide << scale_bits).to(torch.int16)
+        if param_dtype == torch.bfloat16:
+            narrow = (wide + MASTER_24_ROUNDING) >> scale_bits
+        else:
+            narrow = (wide.to(torch.float32) / (1 << scale_bits)).round().to(torch.int32)
+        return narrow.clamp(max=torch.iinfo(torch.int8).max).to(torch.int8)
+
+    return sharding._like(correction, convert)
