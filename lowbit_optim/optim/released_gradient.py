@@ -12,6 +12,7 @@ gradient, before anything changes. Zeroing is the one operation allowed
 import torch
 from torch.distributed.tensor import DTensor
 
+from lowbit_optim.optim.reentrant_backward import in_reentrant_backward
 from lowbit_optim.state.placeholder import GradientPlaceholder
 
 aten = torch.ops.aten
@@ -30,6 +31,17 @@ class ReleasedGradient(GradientPlaceholder):
 
     @classmethod
     def refusal(cls) -> str:
+        if in_reentrant_backward():
+            return (
+                "a released gradient, inside a reentrant activation checkpointing segment "
+                "(torch.utils.checkpoint with use_reentrant=True): the segment runs a backward "
+                "of its own and adds a part to the gradient of a parameter that "
+                "lowbit_optim.release_gradients already stepped with the part computed outside "
+                "the segment (a parameter used inside the segment and after it: autograd "
+                "completes the outside part first, and nothing says that a segment will add to "
+                "it). This backward's steps so far stand. Pass use_reentrant=False (one "
+                "backward, each gradient complete when its hook runs), or remove the release "
+                "handle to train as usual (docs/gradient_release.md)")
         return (
             "a released gradient: lowbit_optim.release_gradients stepped this parameter during "
             "backward and freed its gradient. Anything that needs the gradient after backward "
