@@ -248,6 +248,9 @@ class GradientRelease:
     @torch.no_grad()
     def end_step(self) -> None:
         """What ``optimizer.step()`` does while release is active (see the module docstring)."""
+        # The groups are checked as step() checks them, before anything changes, even when
+        # there is nothing left to step: the same values are refused with or without release.
+        self._steps.refresh()
         # Gradients held for reentrant segments when no hook ran in the outer backward (whose
         # end then went unmarked) are complete now.
         self._backward = self._graph_task = None
@@ -257,7 +260,6 @@ class GradientRelease:
         # A backward that failed may have left its end unrun: its small parameters still
         # hold their gradients, which the loop below steps.
         self._small = []
-        refreshed = False
         for param in self._steps.trained_params():  # with any added since, which have no hook
             grad = param.grad
             if grad is None:
@@ -265,9 +267,6 @@ class GradientRelease:
             if is_released(grad):
                 param.grad = None
                 continue
-            if not refreshed:
-                self._steps.refresh()
-                refreshed = True
             self._steps.step(param)
             param.grad = None
         self._steps.order_state()
