@@ -317,6 +317,8 @@ def run(world: World, action: tuple, twin):
         return twin
     if passed is not None:
         assert same(passed[1], frozen(passed[0])), f"{action} changed the caller's object"
+    if kind == "edit" and isinstance(twin, Exception):
+        return None  # the value that kept the state from loading may be gone: rebuilt at the step
 
     stepped = kind == "step" or (kind == "backward" and world.release is not None)
     if isinstance(twin, Exception):
