@@ -47,7 +47,7 @@ BACKENDS = ["cpu", "eager"]
 # The 24 x 8 and 4 x 24 weights (192 and 96 elements: partial blocks) are quantized, the
 # biases keep float moments.
 OPTIONS = dict(lr=1e-2, weight_decay=1e-2, min_quant_size=64)
-EXAMPLES = 25
+EXAMPLES = 30
 ACTIONS = 10
 
 # Group edits: (key, value) a user may write into ``param_groups[i]``; valid and invalid.
