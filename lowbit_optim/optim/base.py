@@ -90,7 +90,13 @@ class LowBitOptimizer(Optimizer):
         return {**super().__getstate__(), "backend": self.backend}
 
     def __setstate__(self, state):
+        # torch's __setstate__ (load_state_dict calls it) adds its own step's option to the
+        # defaults where the class lacks it: groups added after a load would carry it, those
+        # added before would not.
+        differentiable = "differentiable" in state.get("defaults", self.__dict__.get("defaults", {}))
         super().__setstate__(state)
+        if not differentiable:
+            self.defaults.pop("differentiable", None)
         self._init_step_helpers()
         if "backend" not in self.__dict__:
             self.backend = resolve_backend(None, self._devices())

@@ -21,6 +21,10 @@ give the same parameters and state bit for bit (tests/test_gradient_release.py):
   its 0-d tensors (``hyperparams.GroupScalars``), so an LR scheduler's new value reaches the
   next backward as it reaches the next ``step()``, with no recompile;
 * each parameter's step count advances when it is stepped, as ``step()`` advances it.
+* a hook that runs inside a reentrant checkpointing segment (``reentrant_backward``) may see a
+  part of the gradient (a parameter shared by several segments): from then on every gradient
+  of that backward is held and stepped at its end, or by ``step()`` when no hook ran in the
+  outer backward to mark it.
 
 While release is active:
 
@@ -39,12 +43,14 @@ waits for it, steps the host copy with the host optimizer's per-parameter plan a
 it. See docs/gradient_release.md.
 """
 
+import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 
 from lowbit_optim.optim.base import LowBitOptimizer
+from lowbit_optim.optim.reentrant_backward import in_reentrant_backward
 from lowbit_optim.optim.released_gradient import is_released, released_gradient
 from lowbit_optim.state import sharding
 from lowbit_optim.step import float_state
@@ -150,8 +156,12 @@ class GradientRelease:
     def __init__(self, optimizer, steps):
         self.optimizer = optimizer
         self._steps = steps
-        self._in_backward = False
+        self._graph_task = None  # the graph task of the last hook: work out its kind once
+        self._backward = None  # the outermost backward whose end is queued
         self._small: list[torch.Tensor] = []  # waiting for the end of this backward
+        self._holding = False  # this backward has reentrant segments: step all at its end
+        self._held: dict[torch.Tensor, None] = {}  # in firing order, each once
+        self._told_reentrant = False
         self._params = steps.trained_params()
         release_ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
 
@@ -165,14 +175,16 @@ class GradientRelease:
 
     @torch.no_grad()
     def _on_gradient_ready(self, param: torch.Tensor) -> None:
-        if not self._in_backward:
+        graph_task = torch._C._current_graph_task_id()
+        if graph_task != self._graph_task:
+            self._enter(graph_task)
+        if self._holding:
+            # Its gradient may still grow (a later segment, or the outer backward, adds to it).
+            self._held[param] = None
+            return
+        if graph_task == -1:  # called outside a backward pass: no end to wait for
             self._steps.refresh()
-            self._in_backward = True
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            except RuntimeError:  # called outside a backward pass: refresh at every call
-                self._in_backward = False
-        if self._in_backward and self._steps.is_small(param):
+        elif self._steps.is_small(param):
             # Their gradients are small; stepped together at the end of this backward, they
             # cost one flat step instead of one each.
             self._small.append(param)
@@ -180,24 +192,74 @@ class GradientRelease:
         self._steps.step(param)
         param.grad = released_gradient(param)
 
+    def _enter(self, graph_task: int) -> None:
+        """The first hook of a graph task: an outermost backward's (check the hyperparameters
+        once, queue its end) or a reentrant segment's (hold every gradient until the end)."""
+        self._graph_task = graph_task
+        if graph_task == -1:
+            return
+        if in_reentrant_backward():
+            self._hold()
+        elif graph_task != self._backward:
+            self._backward = graph_task
+            self._steps.refresh()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _hold(self) -> None:
+        if not self._holding and not self._told_reentrant:
+            self._told_reentrant = True
+            warnings.warn(
+                "gradient release under reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True): each segment runs a backward "
+                "of its own, so a parameter used in several segments gets its gradient in parts. "
+                "Release holds every gradient of such a backward until its end (or until "
+                "optimizer.step()) and steps them then: the result is exact, the memory saving "
+                "is lost. Pass use_reentrant=False (one backward, each gradient complete when "
+                "its hook runs) to free each gradient as it is ready (docs/gradient_release.md)",
+                stacklevel=2)
+        self._holding = True
+
     @torch.no_grad()
     def _end_backward(self) -> None:
-        self._in_backward = False
-        small, self._small = self._small, []
+        self._backward = self._graph_task = None
+        self._step_waiting()
+        self._steps.order_state()
+
+    def _step_waiting(self) -> None:
+        """Step what waits for the end of the backward: the small parameters, and every
+        gradient held for reentrant segments (complete now), the small ones together."""
+        small = dict.fromkeys(self._small)
+        held, self._held, self._small, self._holding = self._held, {}, [], False
+        if held:
+            self._steps.refresh()
+        for param in held:
+            if param in small or param.grad is None or is_released(param.grad):
+                continue
+            if self._steps.is_small(param):
+                small[param] = None
+                continue
+            self._steps.step(param)
+            param.grad = released_gradient(param)
         if small:
-            self._steps.step_together(small)
+            self._steps.step_together(list(small))
             for param in small:
                 param.grad = released_gradient(param)
-        self._steps.order_state()
 
     @torch.no_grad()
     def end_step(self) -> None:
         """What ``optimizer.step()`` does while release is active (see the module docstring)."""
+        # The groups are checked as step() checks them, before anything changes, even when
+        # there is nothing left to step: the same values are refused with or without release.
+        self._steps.refresh()
+        # Gradients held for reentrant segments when no hook ran in the outer backward (whose
+        # end then went unmarked) are complete now.
+        self._backward = self._graph_task = None
+        if self._held:
+            self._step_waiting()
+        self._holding = False
         # A backward that failed may have left its end unrun: its small parameters still
         # hold their gradients, which the loop below steps.
-        self._in_backward = False
         self._small = []
-        refreshed = False
         for param in self._steps.trained_params():  # with any added since, which have no hook
             grad = param.grad
             if grad is None:
@@ -205,9 +267,6 @@ class GradientRelease:
             if is_released(grad):
                 param.grad = None
                 continue
-            if not refreshed:
-                self._steps.refresh()
-                refreshed = True
             self._steps.step(param)
             param.grad = None
         self._steps.order_state()
@@ -218,6 +277,7 @@ class GradientRelease:
             handle.remove()
         self._hooks = []
         self._small = []
+        self._held, self._holding = {}, False
         for param in self._params:
             if is_released(param.grad):
                 param.grad = None
