@@ -310,6 +310,18 @@ class LowBitOptimizer(Optimizer):
         for index, (params, grads, states) in enumerate(stepped):
             self._step_params(index, params, grads, states)
 
+    def _check_groups(self) -> None:
+        """``step()``'s checks of every group's options and states, all before anything
+        changes, for stepping that has no gradients to check first: gradient release, at the
+        first hook of each backward (a group edited into something refused must not be
+        refused only after other groups' parameters were stepped)."""
+        changes = []
+        for index, group in enumerate(self.param_groups):
+            self._check_group(group)
+            changes.append(self._state_changes(index, group, ()))
+        for index, change in enumerate(changes):
+            self._apply_state_changes(index, change)
+
     def _state_changes(self, index: int, group: dict, params) -> tuple[tuple, list]:
         """Group ``index``'s storage options, and what bringing its states in line with them
         and with ``params``' dtypes takes (``group_options``, ``master_weight_casts``), as

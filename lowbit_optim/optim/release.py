@@ -80,10 +80,9 @@ class ParameterSteps:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
 
     def refresh(self) -> None:
-        """Check every group's hyperparameters (raising for a bad one) before backward steps
-        any parameter."""
-        for group in self.optimizer.param_groups:
-            self.optimizer.rule.check_hyperparameters(group)
+        """Check every group's options (raising for a bad one) before backward steps any
+        parameter, as ``step()`` does (``LowBitOptimizer._check_groups``)."""
+        self.optimizer._check_groups()
 
     def position(self, param: torch.Tensor) -> Position:
         if param not in self.positions:  # first use, or a group added since
