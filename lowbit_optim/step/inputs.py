@@ -26,6 +26,7 @@ from lowbit_optim.step.master_weights import (
 from lowbit_optim.step.math import compute_dtype
 
 CORRECTION_DTYPES = tuple(correction_dtype(bits) for bits in MASTER_WEIGHT_BITS)
+FLOAT_MOMENT_DTYPES = (torch.float32, torch.float64)
 
 
 def check_step_inputs(rule, params: list, grads: list, states: list, moment_keys: tuple[str, ...]) -> None:
@@ -128,9 +129,11 @@ def _check_kind(rule, label: str, param: torch.Tensor, key: str, moment, first, 
     elif isinstance(moment, QuantizedState):
         raise ValueError(f"{label} is quantized next to a plain {moment_keys[0]}: a state's moments are "
                          "all quantized or all float")
-    elif moment.dtype != compute_dtype(param):
-        raise ValueError(f"{label} is {moment.dtype}; a float moment of a {param.dtype} parameter is "
-                         f"{compute_dtype(param)} (as new_state makes it)")
+    elif moment.dtype not in FLOAT_MOMENT_DTYPES:
+        # The step computes in float32 or float64 (``math.compute_dtype``) and reads either: a
+        # state made for float32 parameters still steps them after ``model.double()``.
+        raise ValueError(f"{label} is {moment.dtype}; float moments are torch.float32 or torch.float64 "
+                         f"(new_state makes {compute_dtype(param)} ones for a {param.dtype} parameter)")
 
 
 def _check_correction(label: str, param: torch.Tensor, correction) -> None:
