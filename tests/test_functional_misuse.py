@@ -18,6 +18,7 @@ from lowbit_optim import (
     Lion8bit,
 )
 from lowbit_optim.functional import StepCache, adamw, ademamix, lion
+from lowbit_optim.step import functional
 
 SHAPES = [(64, 80), (30,)]  # quantized moments, float moments
 MIN_QUANT_SIZE = 512
@@ -214,3 +215,18 @@ def test_a_correct_call_steps_as_the_optimizer_does_bit_for_bit(rule, backend):
     kept = {index: optimizer.state[param] for index, param in enumerate(model_params)}
     assert_same_state({"state": dict(enumerate(states)), "param_groups": []},
                       {"state": kept, "param_groups": []})
+
+
+def test_a_kept_plan_steps_without_checking_the_lists_again(monkeypatch):
+    """The checks run when a step is planned: an optimizer's steps (and a functional caller's
+    with a ``StepCache``) reuse the plan and pay nothing per parameter for them."""
+    calls = []
+    original = functional.check_step_inputs
+    monkeypatch.setattr(functional, "check_step_inputs", lambda *args: calls.append(1) or original(*args))
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    optimizer = AdamW8bit(params, min_quant_size=MIN_QUANT_SIZE)
+    for _ in range(3):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+    assert len(calls) == 1
