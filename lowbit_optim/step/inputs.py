@@ -95,7 +95,7 @@ def _check_state(rule, where: str, param: torch.Tensor, state, moment_keys: tupl
                              "states in the parameters' order?")
         if moment.device != param.device:
             raise ValueError(f"{label} is on {moment.device}, its parameter on {param.device}")
-        _check_kind(rule, label, param, key, local(moment), first, moment_keys)
+        _check_kind(rule, label, param, key, local(moment), first=first, moment_keys=moment_keys)
     correction = state.get(CORRECTION_KEY)
     if correction is not None:
         _check_correction(f"{where}: {CORRECTION_KEY}", param, correction)
@@ -108,7 +108,7 @@ def _check_step(where: str, step) -> None:
         raise ValueError(f"{where}: 'step' must be a 0-d tensor holding a finite count >= 0, got {step!r}")
 
 
-def _check_kind(rule, label: str, param: torch.Tensor, key: str, moment, first, moment_keys) -> None:
+def _check_kind(rule, label: str, param: torch.Tensor, key: str, moment, *, first, moment_keys) -> None:
     """A state's moments are all float tensors, or all quantized in one block size (AdamW's
     second moment may instead be factored, without amsgrad): the step sorts a parameter by its
     first moment and steps all of them the same way."""
