@@ -16,6 +16,13 @@ from lowbit_optim.checkpoint.validate import (
 from lowbit_optim.state.quantized import QuantizedState
 from lowbit_optim.state.sharding import factored_from_float, is_dtensor, local, quantized_from_float
 from lowbit_optim.step.master_weights import CORRECTION_KEY, read_master
+from lowbit_optim.step.rules.adamw import ADAMW
+
+# What makes a param group one ``torch.optim.AdamW`` steps: it reads these and two betas
+# (its ``__setstate__`` fills in the rest).
+TORCH_ADAMW_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+# Options only AdamW's groups have among the rules': a group holding one was saved by AdamW.
+ADAMW_ONLY_OPTIONS = ("eps", "amsgrad")
 
 
 def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
@@ -37,6 +44,8 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     ``optimizer.load_state_dict`` calls this itself when given a torch state dict.
     """
     slots = slots or slots_of(optimizer, state_dict)
+    if optimizer.rule is not ADAMW:
+        _refuse_adamw_state(optimizer, state_dict, slots)
     groups = []
     for index, (saved, own) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
         # torch.optim.AdamW's groups say True; torchao's say nothing (their class decides).
@@ -78,6 +87,31 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
             converted[key] = carried
         state[saved_id] = converted
     return {**state_dict, "state": state, "param_groups": groups}
+
+
+def _refuse_adamw_state(optimizer, state_dict, slots: dict) -> None:
+    """An AdamW state (its second moments, its ``eps`` or ``amsgrad``) does not become the
+    state of an optimizer of another rule: Lion has no second moment, AdEMAMix a slow one the
+    AdamW state lacks. A state dict of that rule without our group options (one whose
+    moments have the rule's keys) still converts."""
+    name, rule = type(optimizer).__name__, optimizer.rule.name
+    own = optimizer.rule.all_moment_keys
+    adamw_moments = [key for key in ADAMW.all_moment_keys if key not in own]
+    for saved_id, entry in state_dict["state"].items():
+        moments = [key for key in adamw_moments if key in entry]
+        missing = [key for key in own if entry and key not in entry]
+        if moments or missing:
+            what = (f"has {', '.join(moments)}, which {name} does not keep" if moments
+                    else f"has no {', '.join(missing)}, which {name} needs")
+            raise ValueError(
+                f"{slot_for(slots, saved_id).label}: the loaded state {what} ({rule} rule: "
+                f"{', '.join(own)}): an AdamW state does not become its state")
+    for index, saved in enumerate(state_dict["param_groups"]):
+        options = [key for key in ADAMW_ONLY_OPTIONS if key in saved and key not in optimizer.defaults]
+        if options:
+            raise ValueError(
+                f"parameter group {index} of the loaded state dict has {', '.join(options)}: a "
+                f"torch.optim.AdamW state dict, which does not become the state of {name} ({rule} rule)")
 
 
 def stored_moment(optimizer, param, group: dict, key: str, values: torch.Tensor):
@@ -145,6 +179,7 @@ def to_torch_adamw(state_dict, *, params=None) -> dict:
     group order (float32 copies of those without a correction), to copy into a float32 model
     (``master_weights_state_dict`` gives the same by parameter name).
     """
+    _check_adamw_state_dict(state_dict)
     ids = [saved_id for saved in state_dict["param_groups"] for saved_id in saved["params"]]
     has_corrections = any(CORRECTION_KEY in entry for entry in state_dict["state"].values())
     params = None if params is None else list(params)
@@ -184,6 +219,36 @@ def to_torch_adamw(state_dict, *, params=None) -> dict:
                           for saved_id in ids}
         return {"state": state, "param_groups": groups, "master_weights": master_weights}
     return {"state": state, "param_groups": groups}
+
+
+def _check_adamw_state_dict(state_dict) -> None:
+    """Refuse a state dict ``torch.optim.AdamW`` could load but not step: a Lion state (no
+    ``eps``, no ``exp_avg_sq``: its step fails with ``KeyError: 'exp_avg_sq'``), an AdEMAMix
+    one (three betas, a slow moment). A state dict records no class, so its groups' options
+    and its moments' keys tell."""
+    for index, saved in enumerate(state_dict["param_groups"]):
+        missing = [key for key in TORCH_ADAMW_HYPERPARAMETERS if key not in saved]
+        betas = saved.get("betas", ())
+        if missing or len(betas) != 2:
+            what = f"no {', '.join(missing)}" if missing else f"{len(betas)} betas"
+            raise ValueError(
+                f"to_torch_adamw: parameter group {index} has {what} (its options: "
+                f"{', '.join(k for k in saved if k != 'params')}): not an AdamW or Adam state dict "
+                "(Lion and AdEMAMix states have no torch.optim.AdamW equivalent)")
+    group_of = {saved_id: saved for saved in state_dict["param_groups"] for saved_id in saved["params"]}
+    allowed = ("step", CORRECTION_KEY, *ADAMW.all_moment_keys)
+    for saved_id, entry in state_dict["state"].items():
+        if not entry:
+            continue
+        needed = ("step", *ADAMW.moment_keys(group_of.get(saved_id, {})))
+        missing = [key for key in needed if key not in entry]
+        foreign = [str(key) for key in entry if key not in allowed]
+        if missing or foreign:
+            what = f"no {', '.join(missing)}" if missing else ", ".join(foreign)
+            raise ValueError(
+                f"to_torch_adamw: the state of parameter {saved_id} has {what} (it has "
+                f"{', '.join(map(str, entry))}; torch.optim.AdamW keeps {', '.join(needed)}): not an "
+                "AdamW or Adam state")
 
 
 def _float32_copy(param: torch.Tensor) -> torch.Tensor:

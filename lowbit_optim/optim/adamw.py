@@ -146,12 +146,16 @@ class AdamWFactored4bit(LowBitAdamW):
         # half byte per element (a conv weight's last dim of 3 would cost 1.3 bytes/element).
         return 8 * (rows + columns) <= param.numel()
 
+    @classmethod
+    def amsgrad_refusal(cls):
+        return "the maximum of a factored second moment is not itself factored"
+
     def _check_group(self, group):
         super()._check_group(group)
         if group["amsgrad"]:
             raise ValueError(
-                f"Invalid amsgrad: True ({type(self).__name__} does not support amsgrad: the "
-                "maximum of a factored second moment is not itself factored)"
+                f"Invalid amsgrad: True ({type(self).__name__} does not support amsgrad: "
+                f"{self.amsgrad_refusal()})"
             )
 
     def _check_param(self, param):

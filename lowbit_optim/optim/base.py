@@ -215,11 +215,23 @@ class LowBitOptimizer(Optimizer):
         return False
 
     @classmethod
+    def amsgrad_refusal(cls) -> str | None:
+        """Why this class refuses ``amsgrad=True``, or ``None`` where it keeps amsgrad's maximum
+        (its rule declares one)."""
+        if any(spec.amsgrad_only for spec in cls.rule.moments):
+            return None
+        return (f"the {cls.rule.name} rule keeps no amsgrad maximum, its moments are "
+                f"{', '.join(cls.rule.all_moment_keys)}")
+
+    @classmethod
     def new_state(cls, param: torch.Tensor, *, amsgrad: bool = False, block_size: int | None = None,
                   min_quant_size: int = 4096, master_weight_bits: int | None = None) -> dict:
         """A new state for ``param`` as this class keeps it (its formats, the options as the
         class takes them), for stepping without an optimizer through the rule's functional
         entry point (``lowbit_optim.functional``)."""
+        refusal = cls.amsgrad_refusal()
+        if amsgrad and refusal is not None:
+            raise ValueError(f"Invalid amsgrad: True ({cls.__name__} does not support amsgrad: {refusal})")
         group = dict(amsgrad=amsgrad, min_quant_size=min_quant_size, master_weight_bits=master_weight_bits,
                      block_size=cls.signed_format.default_block_size if block_size is None else block_size)
         check_block_size(group["block_size"])

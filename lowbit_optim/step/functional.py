@@ -8,9 +8,10 @@ A step is planned (``plan.GroupPlan``: kinds sorted, launches laid out, step cou
 small moments gathered) and the plan is worth keeping between steps; a ``StepCache`` passed
 on every call keeps it, with the 0-d CPU tensors the hyperparameters are copied into (so a
 schedule changes values, never graphs). Without one, each call plans afresh. The plan is
-reused only while everything it was built from is unchanged (``GroupPlan.matches``); when
-anything changed, the gradients are checked one by one and refused, naming the parameter,
-before any parameter or state changes.
+reused only while everything it was built from is unchanged (``GroupPlan.matches``, and the
+moments amsgrad asks for); when anything changed, the lists are checked (``inputs``: their
+lengths, repeats, missing gradients, states that do not fit) and the gradients one by one,
+and refused, naming the position or parameter, before any parameter or state changes.
 """
 
 from itertools import compress, repeat
@@ -21,6 +22,7 @@ import torch
 from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.dispatch import resolve_backend
 from lowbit_optim.step.hyperparams import GroupScalars, StepOptions
+from lowbit_optim.step.inputs import check_step_inputs
 from lowbit_optim.step.plan import GroupPlan
 
 _GRAD = attrgetter("grad")
@@ -48,8 +50,11 @@ class StepCache:
         """Whether the kept plan steps ``params`` with ``grads`` and ``states`` as they are now
         (``GroupPlan.matches``: every gradient fits, nothing the plan depends on changed)."""
         plan = self.plan
-        held = (plan is not None and plan.rule is rule and self.requested_backend == backend
-                and plan.matches(params, grads, states, plan.backend) and plan.steps_unchanged())
+        try:
+            held = (plan is not None and plan.rule is rule and self.requested_backend == backend
+                    and plan.matches(params, grads, states, plan.backend) and plan.steps_unchanged())
+        except (AttributeError, TypeError):  # a None or non-tensor entry: not what was planned
+            held = False
         self.checked_grads = grads if held else None
         return held
 
@@ -102,11 +107,13 @@ def step_params(rule, params: list[torch.Tensor], grads: list[torch.Tensor], sta
         cache.scalars = GroupScalars(rule)
     cache.scalars.refresh(hyperparameters)  # raises for a bad value before anything changes
     plan = cache.plan
-    if grads is not cache.checked_grads and not cache.holds(rule, params, grads, states, backend):
+    moment_keys = rule.moment_keys(hyperparameters)
+    if (grads is not cache.checked_grads and not cache.holds(rule, params, grads, states, backend)
+            or plan.moment_keys != moment_keys):
+        check_step_inputs(rule, params, grads, states, moment_keys)
         check_gradients(params, grads, rule.name)
         cache.requested_backend = backend
         resolved = resolve_backend(backend, [param.device for param in params])
-        plan = cache.plan = GroupPlan(params, grads, states, resolved, rule,
-                                      rule.moment_keys(hyperparameters))
+        plan = cache.plan = GroupPlan(params, grads, states, resolved, rule, moment_keys)
     cache.checked_grads = None
     plan.step(grads, cache.scalars, options, cache.scratch)

@@ -89,6 +89,7 @@ class GroupPlan:
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                  backend: str, rule, moment_keys: tuple[str, ...]):
         self.rule = rule
+        self.moment_keys = moment_keys
         self.param_ids = [*map(id, params)]
         self.backend = backend
         self.addresses = [*map(_DATA_PTR, params)]

@@ -19,7 +19,7 @@ from lowbit_optim.step.rules.base import MomentSpec, UpdateRule
 
 class AdamWRule(UpdateRule):
     name = "adamw"
-    moments = (MomentSpec("exp_avg", signed=True), MomentSpec("exp_avg_sq", signed=False),
+    moments = (MomentSpec("exp_avg", signed=True), MomentSpec("exp_avg_sq", signed=False, factorable=True),
                MomentSpec("max_exp_avg_sq", signed=False, amsgrad_only=True))
     scalar_names = ("lr", "beta1", "beta2", "eps", "weight_decay")
     cpu_functor = "adamw"  # step/csrc/rules/adamw.h

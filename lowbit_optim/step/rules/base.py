@@ -36,11 +36,13 @@ from lowbit_optim.step.rule_step import RuleEntry, RulePlan
 
 class MomentSpec(NamedTuple):
     """One moment of a rule: its state key, whether its values can be negative (a signed
-    format) and whether only amsgrad keeps it."""
+    format), whether only amsgrad keeps it and whether the rule's plan steps it factored
+    (``FactoredState``)."""
 
     key: str
     signed: bool
     amsgrad_only: bool = False
+    factorable: bool = False
 
 
 class UpdateRule:
