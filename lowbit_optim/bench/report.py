@@ -152,7 +152,7 @@ class TerminalTable:
                                      sd_key="val_gap_vs_reference_pct_sd"))
         # A gap with its spread ("+0.52±0.31") is the widest value a numeric column holds.
         widths = [max(len(name) for name in [*names, "optimizer"])]
-        widths += [max(len(column.header), 10 if isinstance(column, GapColumn) else 8)
+        widths += [max(len(column.header), 10 if isinstance(column, GapColumn) else 7)
                    for column in columns[1:]]
         return cls(tuple(columns), tuple(widths))
 
