@@ -3,7 +3,12 @@ AdamW on a real training run — memory, speed and loss in one table, JSON and t
 
 A small GPT-style byte-level model trains on the standard library's own sources with each
 optimizer: same initial weights, same batches in the same order, same warmup+cosine
-schedule (``LambdaLR``). See ``docs/benchmarks.md`` for what every column measures.
+schedule (``LambdaLR``). The optimizers take turns, ``--block-steps`` steps each, after every
+one has taken its first step (compilation) and the C++ CPU step has been built or loaded, so
+neither background load nor anything of ours lands in one row's timing; each trains exactly
+as it would alone (``train.TrainingRun``). Each seed's rows are printed as its runs finish;
+results.json and table.md are rewritten after every turn, and Ctrl-C keeps them. See
+``docs/benchmarks.md`` for what every column measures.
 """
 
 import argparse
@@ -64,7 +69,7 @@ DEFAULT_OUT = pathlib.Path("bench_out")
 OUTPUTS = ("results.json", "table.md", "loss_curves.png", "memory.png", "front_page.md", "front_page.png")
 # The front page's run: the small preset's model, fewer steps, so that six optimizers (torchao
 # compiling one graph per parameter shape) fit in minutes on a 2-core machine.
-FRONT_PAGE_STEPS = 200
+FRONT_PAGE_STEPS = 100
 # 128 + SIGINT (2): the shell's exit status for a run stopped by Ctrl-C (SIGINT).
 INTERRUPTED = 130
 
