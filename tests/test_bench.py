@@ -146,30 +146,6 @@ def test_quick_run_writes_table_and_plots(quick_run):
         assert len({tuple(px) for px in image[::7, ::7, :3].reshape(-1, 3).round(1).tolist()}) > 5
 
 
-def test_interrupted_run_keeps_the_optimizers_it_finished(tmp_path, monkeypatch):
-    """The main job rewrites results.json and table.md after each optimizer: stopped during
-    the second one (Ctrl-C), the first one's row is on disk."""
-    from lowbit_optim.bench import __main__ as bench_main
-
-    real_train, calls = bench_main.train, []
-
-    def train_then_interrupt(name, *args):
-        calls.append(name)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_train(name, *args)
-
-    monkeypatch.setattr(bench_main, "train", train_then_interrupt)
-    out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        main(["--quick", "--steps", "4", "--device", "cpu", "--out", str(out)])
-    results = json.loads((out / "results.json").read_text())
-    assert [row["optimizer"] for row in results["rows"]] == [DEFAULT_OPTIMIZERS[0]]
-    assert results["config"]["finished"] == [DEFAULT_OPTIMIZERS[0]]
-    assert results["config"]["optimizers"] == list(DEFAULT_OPTIMIZERS)
-    assert f"| {results['rows'][0]['label']} |" in (out / "table.md").read_text()
-
-
 def synthetic_run(val, train=None):
     return {"curve": {"step": list(range(len(val))), "val_loss": val, "train_loss": train or val}}
 
@@ -370,16 +346,18 @@ def test_peak_memory_profiling_keeps_stderr_clean(capfd):
 def test_release_benchmark_with_checkpointed_activations_saves_the_gradients(tmp_path):
     """``benchmarks/bench_release.py`` with activations checkpointed and a short sequence (the
     regime where gradients, not activations, set the peak): release lowers a training step's
-    peak by most of the gradients, all but the one being stepped and backward's own buffers
-    (78% here, where the largest of the 0.23 MiB of gradients is 0.03 MiB; 99% on the
-    gpu-114m model, docs/benchmarks.md)."""
+    peak by most of the gradients, all but the one being stepped and backward's own buffers.
+    On the small preset's model (1.6 MiB of bf16 gradients, the largest 0.125 MiB) it saved 99%;
+    the quick model's 0.23 MiB were too few for the allocations around them not to matter
+    (55% on one machine, 88% on another)."""
     script = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_release.py"
     out = tmp_path / "release.json"
-    argv = ["--model-size", "quick", "--context", "8", "--steps", "1", "--optimizers", "ours_4bit",
+    argv = ["--model-size", "small", "--context", "8", "--steps", "1", "--optimizers", "ours_4bit",
             "--param-dtype", "bfloat16", "--master-weight-bits", "24", "--activation-checkpointing",
             "--out", str(out)]
     subprocess.run([sys.executable, str(script), *argv], check=True, capture_output=True)
     ordinary, released = json.loads(out.read_text())["rows"]
     assert [ordinary["release"], released["release"]] == [False, True]
     assert released["saved_mib"] == pytest.approx(ordinary["step_peak_mib"] - released["step_peak_mib"])
-    assert released["saved_mib"] > 0.6 * released["gradients_mib"]
+    assert released["gradients_mib"] > 1.5
+    assert released["saved_mib"] > 0.8 * released["gradients_mib"]

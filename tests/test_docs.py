@@ -31,3 +31,6 @@ def test_documented_example_runs(code, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
     assert done.returncode == 0, done.stderr[-3000:]
+    # A reader running an example that checks a result sees the result, not silence.
+    if "assert " in code and "print(" not in code:
+        pytest.fail("the example asserts a result but prints nothing")

@@ -88,3 +88,29 @@ def memory_bars(rows: list[dict], path: pathlib.Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def front_page(rows: list[dict], path: pathlib.Path, machine: str) -> None:
+    """The README's picture: state bytes per parameter and training-step time per optimizer,
+    each bar labelled with the final validation loss's gap to fp32 AdamW."""
+    labels = [row["label"] for row in rows]
+    colors = ["C0" if row["optimizer"].startswith("lowbit_") else "C7" for row in rows]
+    fig, (state_ax, time_ax) = plt.subplots(1, 2, figsize=(10, 3.2))
+    bars = state_ax.barh(labels, [row["state_bytes_per_param"] for row in rows], color=colors)
+    state_ax.bar_label(bars, fmt="%.2f", padding=2)
+    state_ax.set_xlabel("optimizer state, bytes per parameter")
+    state_ax.invert_yaxis()
+    bars = time_ax.barh(labels, [row["train_step_ms"] for row in rows], color=colors)
+    gaps = [f"{row['train_step_ms']:.0f} ms, loss {row['val_gap_pct']:+.1f}%"
+            if row.get("val_gap_pct") is not None else f"{row['train_step_ms']:.0f} ms" for row in rows]
+    time_ax.bar_label(bars, labels=gaps, padding=2, fontsize=8)
+    time_ax.set_xlabel("training step, ms (loss: final validation loss vs fp32 AdamW)")
+    time_ax.invert_yaxis()
+    time_ax.set_yticklabels([])
+    for ax in (state_ax, time_ax):
+        ax.margins(x=0.35)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(machine, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

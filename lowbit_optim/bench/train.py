@@ -9,17 +9,19 @@ What is measured and how:
 - optimizer step time: wall time of ``optimizer.step()`` alone; the first call (which
   compiles, for compiled optimizers) is reported separately, the rest as a median. The
   train step time adds forward, backward and ``zero_grad``.
-- recompiles: Dynamo graphs compiled after the first step (should be 0: the LR changes every
-  step).
+- recompiles: Dynamo graphs compiled during the run's own steps after the first (should be
+  0: the LR changes every step).
 - peak memory: the most tensor memory live at once during a training step (parameters,
   gradients, optimizer state, activations, temporaries). On CUDA it is
-  ``torch.cuda.max_memory_allocated`` over all steps after the first; on CPU, where no such
+  ``torch.cuda.max_memory_allocated`` over all steps after the first, less what the other
+  runs taking turns with this one hold; on CPU, where no such
   counter exists, it is the tensors live before one extra step after training (parameters,
   buffers, optimizer state) plus the highest point of the allocations the profiler records
   during that step. Process RSS is not used: the interpreter, libraries and compiler make it
   hundreds of MB and hide a few MB of optimizer state.
 """
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -112,86 +114,145 @@ def cpu_step_peak_bytes(train_step, model, optimizer) -> int:
     return live_model_bytes(model, optimizer) + allocation_peak_bytes(train_step)
 
 
-def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
-          progress=None) -> dict:
-    """Train ``ByteGPT`` with optimizer ``name``; returns one result row (see module doc)."""
-    torch.manual_seed(config.seed)
-    param_dtype = harness.OPTIMIZERS[name].param_dtype or config.param_dtype
-    model = ByteGPT(config.model).to(device=device, dtype=getattr(torch, param_dtype))
-    num_params = sum(p.numel() for p in model.parameters())
-    optimizer = harness.make_optimizer(name, model.parameters(), lr=config.lr,
-                                       betas=config.betas, weight_decay=config.weight_decay)
-    scheduler = LambdaLR(optimizer, warmup_cosine(config))
-    if config.release_gradients:
-        release_gradients(optimizer)  # refuses an optimizer that is not ours
-    offsets = batch_offsets(corpus.train, count=config.steps, batch_size=config.batch_size,
-                            context=config.model.context, seed=config.seed)
-    evaluator = Evaluator(corpus, config, device)
+class TrainingRun:
+    """``ByteGPT`` trained with optimizer ``name``, a few steps at a time (see module doc).
 
-    def forward_backward(step: int) -> None:
-        loss = model(*get_batch(corpus.train, offsets[step], config.model.context, device))
+    Several runs can take turns (``python -m lowbit_optim.bench`` interleaves them, so that a
+    busy minute of a shared machine slows every optimizer alike) and each still trains exactly
+    as it would alone: it keeps its own model, batches and random stream (stochastic rounding
+    draws from torch's global generator, which is swapped in for the run's own steps only),
+    and it counts only the graphs compiled during its own steps as its recompiles.
+    """
+
+    def __init__(self, name: str, config: TrainConfig, corpus: Corpus, device: torch.device):
+        self.name, self.config, self.corpus, self.device = name, config, corpus, device
+        with self._own_random_stream(seeded=True):
+            self.param_dtype = harness.OPTIMIZERS[name].param_dtype or config.param_dtype
+            self.model = ByteGPT(config.model).to(device=device, dtype=getattr(torch, self.param_dtype))
+            self.optimizer = harness.make_optimizer(name, self.model.parameters(), lr=config.lr,
+                                                    betas=config.betas, weight_decay=config.weight_decay)
+            self.scheduler = LambdaLR(self.optimizer, warmup_cosine(config))
+            if config.release_gradients:
+                release_gradients(self.optimizer)  # refuses an optimizer that is not ours
+        self.offsets = batch_offsets(corpus.train, count=config.steps, batch_size=config.batch_size,
+                                     context=config.model.context, seed=config.seed)
+        self.evaluator = Evaluator(corpus, config, device)
+        self.steps_done = 0
+        self.step_seconds, self.train_step_seconds, self.train_losses = [], [], []
+        self.curve = {"step": [], "train_loss": [], "val_loss": [], "lr": []}
+        self.first_step_s = None
+        self.recompiles = 0
+        self.held_gradient_bytes = 0
+        self.peak_memory_bytes = None
+
+    @property
+    def done(self) -> bool:
+        return self.steps_done == self.config.steps
+
+    @contextlib.contextmanager
+    def _own_random_stream(self, seeded: bool = False):
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            if seeded:
+                torch.manual_seed(self.config.seed)
+            else:
+                torch.set_rng_state(self.rng_state)
+                if devices:
+                    torch.cuda.set_rng_state(self.cuda_rng_state, self.device)
+            yield
+            self.rng_state = torch.get_rng_state()
+            if devices:
+                self.cuda_rng_state = torch.cuda.get_rng_state(self.device)
+
+    def _forward_backward(self, step: int) -> None:
+        config = self.config
+        batch = get_batch(self.corpus.train, self.offsets[step], config.model.context, self.device)
+        loss = self.model(*batch)
         loss.backward()
         if config.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        train_losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+        self.train_losses.append(loss.item())
 
-    step_seconds, train_step_seconds, train_losses = [], [], []
-    curve = {"step": [], "train_loss": [], "val_loss": [], "lr": []}
-    first_step_s = graphs_after_first = None
-    for step in range(config.steps):
-        forward_s = harness.timed(functools.partial(forward_backward, step), device)
-        held_gradient_bytes = sum(grad.nbytes for grad in held_gradients(model))
-        optimizer_s = harness.timed(optimizer.step, device)
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
+    def advance(self, progress=None) -> None:
+        """One training step (nothing once the run is done); the last one also measures the
+        CPU peak memory (one extra, untimed step)."""
+        if self.done:
+            return
+        step, device = self.steps_done, self.device
+        graphs_before = harness.compiled_graphs()
+        on_cuda = device.type == "cuda" and step > 0
+        if on_cuda:  # this run's own peak, whatever the other runs' tensors take
+            others = torch.cuda.memory_allocated(device) - live_model_bytes(self.model, self.optimizer)
+            torch.cuda.reset_peak_memory_stats(device)
+        with self._own_random_stream():
+            forward_s = harness.timed(functools.partial(self._forward_backward, step), device)
+            self.held_gradient_bytes = sum(grad.nbytes for grad in held_gradients(self.model))
+            optimizer_s = harness.timed(self.optimizer.step, device)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         if step == 0:
-            first_step_s = optimizer_s
-            graphs_after_first = harness.compiled_graphs()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+            self.first_step_s = optimizer_s
         else:
-            step_seconds.append(optimizer_s)
-            train_step_seconds.append(forward_s + optimizer_s)
-        last = step == config.steps - 1
-        if (step + 1) % config.eval_every == 0 or last:
-            curve["step"].append(step + 1)
-            curve["train_loss"].append(evaluator.loss(model, "train"))
-            curve["val_loss"].append(evaluator.loss(model, "val"))
-            curve["lr"].append(float(lr))
+            self.recompiles += harness.compiled_graphs() - graphs_before
+            self.step_seconds.append(optimizer_s)
+            self.train_step_seconds.append(forward_s + optimizer_s)
+        self.steps_done += 1
+        if self.steps_done % self.config.eval_every == 0 or self.done:
+            self.curve["step"].append(self.steps_done)
+            self.curve["train_loss"].append(self.evaluator.loss(self.model, "train"))
+            self.curve["val_loss"].append(self.evaluator.loss(self.model, "val"))
+            self.curve["lr"].append(float(lr))
+        if on_cuda:
+            peak = torch.cuda.max_memory_allocated(device) - others
+            self.peak_memory_bytes = max(self.peak_memory_bytes or 0, peak)
+        if self.done and device.type != "cuda":
+            def extra_step():
+                self._forward_backward(0)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            with self._own_random_stream():
+                self.peak_memory_bytes = cpu_step_peak_bytes(extra_step, self.model, self.optimizer)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(opt=name, loss=f"{train_losses[-1]:.3f}", refresh=False)
-    recompiles = harness.compiled_graphs() - graphs_after_first
+            progress.set_postfix(opt=self.name, loss=f"{self.train_losses[-1]:.3f}", refresh=False)
 
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        def extra_step():
-            forward_backward(0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        peak = cpu_step_peak_bytes(extra_step, model, optimizer)
+    def result(self) -> dict:
+        """The run's row: final once it is done; before that, what it has measured so far
+        (``complete`` False; losses from its last evaluation, no peak memory on CPU)."""
+        num_params = sum(p.numel() for p in self.model.parameters())
+        moments = state_bytes(self.optimizer)
+        training_bytes = sum(p.nbytes for p in self.model.parameters()) + moments + self.held_gradient_bytes
+        evaluated = bool(self.curve["step"])
+        return {
+            "optimizer": self.name,
+            "label": harness.OPTIMIZERS[self.name].label,
+            "seed": self.config.seed,
+            "complete": self.done,
+            "steps_done": self.steps_done,
+            "params": num_params,
+            "state_bytes": moments,
+            "state_bytes_per_param": moments / num_params,
+            "param_dtype": self.param_dtype,
+            "release_gradients": self.config.release_gradients,
+            "training_bytes_per_param": training_bytes / num_params,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "first_step_s": self.first_step_s,
+            "step_ms": harness.median_ms(self.step_seconds),
+            "train_step_ms": harness.median_ms(self.train_step_seconds),
+            "recompiles_after_first_step": self.recompiles,
+            "loss_step": self.curve["step"][-1] if evaluated else None,
+            "final_train_loss": self.curve["train_loss"][-1] if evaluated else None,
+            "final_val_loss": self.curve["val_loss"][-1] if evaluated else None,
+            "curve": self.curve,
+            "nonfinite_loss": any(not math.isfinite(x) for x in self.train_losses),
+        }
 
-    moments = state_bytes(optimizer)
-    training_bytes = sum(p.nbytes for p in model.parameters()) + moments + held_gradient_bytes
-    return {
-        "optimizer": name,
-        "label": harness.OPTIMIZERS[name].label,
-        "seed": config.seed,
-        "params": num_params,
-        "state_bytes": moments,
-        "state_bytes_per_param": moments / num_params,
-        "param_dtype": param_dtype,
-        "release_gradients": config.release_gradients,
-        "training_bytes_per_param": training_bytes / num_params,
-        "peak_memory_bytes": peak,
-        "first_step_s": first_step_s,
-        "step_ms": harness.median_ms(step_seconds),
-        "train_step_ms": harness.median_ms(train_step_seconds),
-        "recompiles_after_first_step": recompiles,
-        "final_train_loss": curve["train_loss"][-1],
-        "final_val_loss": curve["val_loss"][-1],
-        "curve": curve,
-        "nonfinite_loss": any(not math.isfinite(x) for x in train_losses),
-    }
+
+def train(name: str, config: TrainConfig, corpus: Corpus, device: torch.device,
+          progress=None) -> dict:
+    """Train ``ByteGPT`` with optimizer ``name`` alone, start to end; returns its row."""
+    run = TrainingRun(name, config, corpus, device)
+    while not run.done:
+        run.advance(progress)
+    return run.result()

@@ -21,6 +21,7 @@ import operator
 import os
 import pathlib
 import struct
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -81,7 +82,10 @@ def load() -> bool:
         import torch.utils.cpp_extension as cpp_extension
 
         name = f"lowbit_optim_cpu_step_{source_hash()}"
-        if not _load_built(cpp_extension, name):
+        if not _load_built():
+            # A build takes tens of seconds with no output of its own: say what the wait is.
+            print(f"lowbit_optim: building the C++ CPU step, once per machine and torch version "
+                  f"(~30-60 s on 2 cores); cached in {library_path().parent}", file=sys.stderr, flush=True)
             cpp_extension.load(
                 name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=CFLAGS,
                 extra_ldflags=LDFLAGS, is_python_module=False, verbose=False,
@@ -99,7 +103,16 @@ def load() -> bool:
     return True
 
 
-def _load_built(cpp_extension, name: str) -> bool:
+def library_path() -> pathlib.Path:
+    """Where this version of the kernel is (or will be) built: torch's extensions directory
+    (``TORCH_EXTENSIONS_DIR``), a folder named after the hash of the sources."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    name = f"lowbit_optim_cpu_step_{source_hash()}"
+    return pathlib.Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+
+
+def _load_built() -> bool:
     """Load the library a previous process built, without ``cpp_extension.load``'s checks.
 
     Those run ninja to confirm the build is current (~1 s idle, ~5 s on a loaded 2-core
@@ -107,7 +120,7 @@ def _load_built(cpp_extension, name: str) -> bool:
     library under it is current. One that cannot be loaded (a build cut short) is rebuilt.
     """
     try:
-        library = pathlib.Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+        library = library_path()
         if not library.is_file():
             return False
         torch.ops.load_library(str(library))
