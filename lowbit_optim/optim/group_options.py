@@ -57,15 +57,15 @@ def check_layouts(optimizer, index: int, group: dict, previous: tuple | None) ->
             else:
                 expected = "quantized" if optimizer.is_quantized(param, group) else "float"
             if kind != expected:
-                _refuse(optimizer, index, position, param, "min_quant_size", before.get("min_quant_size"),
-                        group["min_quant_size"], f"{kind} moments")
+                _refuse(optimizer, index, position, param, "min_quant_size", old=before.get("min_quant_size"),
+                        new=group["min_quant_size"], kept=f"{kind} moments")
             block_size = sharding.local(state[key]).block_size if kind == "quantized" else None
             if block_size is not None and block_size != group["block_size"]:
-                _refuse(optimizer, index, position, param, "block_size", block_size, group["block_size"],
-                        f"blocks of {block_size}")
+                _refuse(optimizer, index, position, param, "block_size", old=block_size,
+                        new=group["block_size"], kept=f"blocks of {block_size}")
 
 
-def _refuse(optimizer, index: int, position: int, param: torch.Tensor, option: str, old, new, kept: str):
+def _refuse(optimizer, index: int, position: int, param: torch.Tensor, option: str, *, old, new, kept: str):
     name = type(optimizer).__name__
     was = f"{option}={old!r}" if old is not None else f"another {option}"
     raise ValueError(
