@@ -68,6 +68,9 @@ from lowbit_optim import (
     release_gradients,
 )
 
+# Slow tier: every test here reads the runs of spawned 2-rank process groups (FSDP2, DDP, DCP).
+pytestmark = pytest.mark.slow
+
 OPTIMIZERS = {"8bit": AdamW8bit, "4bit": AdamW4bit, "fp8": AdamWFp8, "factored": AdamWFactored4bit}
 BLOCKWISE = ("8bit", "4bit", "fp8")  # every moment blockwise codes: each shard's blocks stand alone
 # Compiled in the 1-rank worker as well (each costs a compile at its thread count; the float8

@@ -22,6 +22,9 @@ from torch.distributed.tensor import distribute_tensor
 
 from lowbit_optim import AdEMAMix8bit, Lion4bit, QuantizedState
 
+# Slow tier: the runs are spawned 2-rank process groups.
+pytestmark = pytest.mark.slow
+
 CLASSES = {"Lion4bit": (Lion4bit, {}), "AdEMAMix8bit": (AdEMAMix8bit, dict(t_alpha=3, t_beta3=3))}
 OPTIONS = dict(lr=1e-2, weight_decay=0.1, min_quant_size=1024, backend="eager")
 STEPS = 4
