@@ -79,7 +79,9 @@ def mark_sweeps_slow_beyond_a_cover(items) -> None:
     """
     sweeps: dict[tuple, list] = {}
     for item in items:
-        if item.get_closest_marker("sweep") is not None and hasattr(item, "callspec"):
+        # Cases marked slow in the test itself are no candidates: the cover is of the others.
+        if (item.get_closest_marker("sweep") is not None and hasattr(item, "callspec")
+                and item.get_closest_marker("slow") is None):
             sweeps.setdefault((item.path, item.cls, item.originalname), []).append(item)
     for cases in sweeps.values():
         values = {item: {(name, repr(value)) for name, value in item.callspec.params.items()}

@@ -148,6 +148,7 @@ def assert_split_of_float32_step(kind, bits, dtype, device="cpu"):
 DTYPES = [torch.bfloat16, torch.float16]
 
 
+@pytest.mark.sweep
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
@@ -166,6 +167,7 @@ def test_cuda_master_weight_step_is_the_float32_step_split(kind, bits, dtype):
     assert_split_of_float32_step(kind, bits, dtype, device="cuda")
 
 
+@pytest.mark.sweep
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
@@ -179,6 +181,7 @@ def test_zero_learning_rate_leaves_parameter_and_correction_bit_for_bit(bits, dt
         assert same_bits(param, param_before) and torch.equal(correction, correction_before)
 
 
+@pytest.mark.sweep
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
@@ -317,6 +320,7 @@ def test_the_kernel_refuses_what_master_weights_exclude():
     assert same_bits(param, before)  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("interpreter")
 def test_custom_op_with_master_weights_under_torch_compile():
     """The op takes the corrections as a mutated list, so a compiled function updates them in
