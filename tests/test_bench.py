@@ -367,6 +367,7 @@ def test_peak_memory_profiling_keeps_stderr_clean(capfd):
     assert capfd.readouterr().err == "first line\nERROR: a real error\n"
 
 
+@pytest.mark.slow
 def test_release_benchmark_with_checkpointed_activations_saves_the_gradients(tmp_path):
     """``benchmarks/bench_release.py`` with activations checkpointed and a short sequence (the
     regime where gradients, not activations, set the peak): release lowers a training step's

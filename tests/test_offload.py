@@ -517,6 +517,7 @@ FSDP2_CPU_OFFLOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fsdp2_cpu_offload_policy_with_our_optimizer():
     # A process of its own: the process group must not leak into other tests.
     env = {**os.environ, "PORT": str(random.randint(20000, 40000))}

@@ -249,9 +249,12 @@ def change_rmse(actual, expected, start):
 
 
 @pytest.mark.usefixtures("interpreter")
+# Each case compiles a graph of its own: AdamW4bit's bfloat16 one (which the checkpoint test
+# below compiles too) in the fast tier.
 @pytest.mark.parametrize("optimizer_class, dtype", [
-    (AdamW8bit, torch.bfloat16), (AdamW4bit, torch.bfloat16), (AdamWFp8, torch.bfloat16),
-    (AdamW4bit, torch.float16),
+    pytest.param(AdamW8bit, torch.bfloat16, marks=pytest.mark.slow), (AdamW4bit, torch.bfloat16),
+    pytest.param(AdamWFp8, torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param(AdamW4bit, torch.float16, marks=pytest.mark.slow),
 ], ids=lambda value: getattr(value, "__name__", str(value)))
 def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class, dtype):
     """``STEPS`` steps, kernel against compiled step, float32 parameters (the bound's
