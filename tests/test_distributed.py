@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import relative_rmse
-from helpers import free_port
+from helpers import free_port, seeded_mlp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -83,8 +83,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(40, 33), nn.Tanh(), nn.Linear(33, 7))
+    return seeded_mlp(40, 33, 7)
 
 
 def batch(step: int):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, seeded_mlp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -31,8 +31,7 @@ STEPS = 4
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64))  # a 4096-element weight (quantized) and a bias
+    return seeded_mlp(64, 64)  # a 4096-element weight (quantized) and a bias
 
 
 def make_optimizer(name: str, params):

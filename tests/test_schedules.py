@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import slow_except
 from helpers import SCHEDULE_STEPS as STEPS
-from helpers import SCHEDULES, graph_count
+from helpers import SCHEDULES, graph_count, seeded_mlp
 from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
@@ -12,7 +12,7 @@ from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 
 def make_model():
     # Whole blocks plus a tail (4160 = 32.5 blocks of 128), and fp32-state small tensors.
-    return torch.nn.Sequential(torch.nn.Linear(64, 65), torch.nn.Tanh(), torch.nn.Linear(65, 2))
+    return seeded_mlp(64, 65, 2, seed=None)
 
 
 def train_step(model, optimizer):
