@@ -1,4 +1,5 @@
-"""Shared test setup: seeding, device parametrisation, compile counters and error helpers."""
+"""Shared test setup: seeding, device parametrisation, the fast and slow tiers (``slow``, ``sweep``), compile
+counters and error helpers."""
 
 import contextlib
 import importlib
