@@ -1,4 +1,5 @@
-"""Shared test setup: seeding, device parametrisation, compile counters and error helpers."""
+"""Shared test setup: seeding, device parametrisation, the fast and slow tiers (``slow``, ``sweep``), compile
+counters and error helpers."""
 
 import contextlib
 import importlib
@@ -52,11 +53,48 @@ def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+# tryfirst: the slow marks given here must be in place before ``-m`` selects the tier.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+    mark_sweeps_slow_beyond_a_cover(items)
+
+
+def slow_except(values, *fast):
+    """``values`` for ``parametrize``, those not in ``fast`` marked ``slow``: for sweeps whose
+    every case costs a compile, where the fast tier keeps the named representatives."""
+    return [value if value in fast else pytest.param(value, marks=pytest.mark.slow) for value in values]
+
+
+def mark_sweeps_slow_beyond_a_cover(items) -> None:
+    """Tests marked ``sweep`` keep in the fast tier only a few of their parametrised cases,
+    chosen so that every value of every parameter is still in one of them (greedily: the case
+    with the most values not yet covered first); the other cases are marked ``slow``.
+
+    A sweep over formats x dtypes x flags x shapes then costs the fast tier as many cases as
+    its longest list of values, while a defect in any one value's path still fails there and
+    the slow tier runs the whole product.
+    """
+    sweeps: dict[tuple, list] = {}
+    for item in items:
+        # Cases marked slow in the test itself are no candidates: the cover is of the others.
+        if (item.get_closest_marker("sweep") is not None and hasattr(item, "callspec")
+                and item.get_closest_marker("slow") is None):
+            sweeps.setdefault((item.path, item.cls, item.originalname), []).append(item)
+    for cases in sweeps.values():
+        values = {item: {(name, repr(value)) for name, value in item.callspec.params.items()}
+                  for item in cases}
+        uncovered = set().union(*values.values())
+        remaining = list(cases)
+        while uncovered:
+            best = max(remaining, key=lambda item: len(values[item] & uncovered))
+            uncovered -= values[best]
+            remaining.remove(best)
+        for item in remaining:
+            item.add_marker(pytest.mark.slow)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,17 @@ def train(optimizer_factory, steps, *, weight_decay=0.1, lr=1e-2, backend_kwargs
     return initial, weight.detach(), bias.detach(), optimizer
 
 
+def seeded_mlp(*widths: int, dtype=torch.float32, seed: int | None = 0) -> torch.nn.Sequential:
+    """Linear layers ``widths[0] -> widths[1] -> ...`` with a Tanh between each two, drawn after
+    ``torch.manual_seed(seed)`` (``None``: from the generator as it is), cast to ``dtype``."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    layers = []
+    for inputs, outputs in zip(widths, widths[1:]):
+        layers += [torch.nn.Tanh(), torch.nn.Linear(inputs, outputs)]
+    return torch.nn.Sequential(*layers[1:]).to(dtype)
+
+
 def assert_same_state(actual: dict, expected: dict) -> None:
     """Two optimizer state dicts hold bit-identical state and equal hyperparameters."""
     assert actual["state"].keys() == expected["state"].keys()

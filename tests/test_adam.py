@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import HAS_CUDA, relative_rmse
+from conftest import HAS_CUDA, relative_rmse, slow_except
 from helpers import STEPS, train
 
 from lowbit_optim import Adam4bit, Adam8bit, AdamFp8, AdamW8bit, QuantizedState
@@ -15,7 +15,8 @@ WEIGHT_DECAY = 1.0
 BOUND = {Adam8bit: 0.04, Adam4bit: 0.45, AdamFp8: 0.05}  # as test_optimizer's bounds against AdamW
 
 
-@pytest.mark.parametrize("backend", ["eager", "compile"])
+# Compiled, each class's L2-decay step is a graph of its own: those in the slow tier.
+@pytest.mark.parametrize("backend", slow_except(["eager", "compile"], "eager"))
 @pytest.mark.parametrize("cls", [Adam8bit, Adam4bit, AdamFp8], ids=lambda c: c.__name__)
 def test_adam_classes_follow_torch_adam(cls, backend):
     initial, weight, _, optimizer = train(lambda p, **kw: cls(p, backend=backend, **kw), STEPS,

@@ -49,6 +49,8 @@ def expected_state_bytes(model: torch.nn.Module, optimizer_cls) -> int:
     return total
 
 
+# The tests that read the default --quick run (three optimizers, ~50 s of CPU) are in the slow
+# tier; the shorter runs below keep the command line in the fast one.
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -56,6 +58,7 @@ def quick_run(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_quick_run_rows_and_environment(quick_run):
     _, results = quick_run
     assert results["benchmark"] == "train"
@@ -70,6 +73,7 @@ def test_quick_run_rows_and_environment(quick_run):
     assert results["config"]["grad_clip"] == 1.0
 
 
+@pytest.mark.slow
 def test_quick_run_state_bytes_match_the_formats(quick_run):
     _, results = quick_run
     model = ByteGPT(PRESETS["quick"]["model"])
@@ -84,6 +88,7 @@ def test_quick_run_state_bytes_match_the_formats(quick_run):
     assert rows["torch_adamw"]["state_bytes_per_param"] == 8.0
 
 
+@pytest.mark.slow
 def test_quick_run_learns_and_compares_to_fp32(quick_run):
     _, results = quick_run
     rows = {row["optimizer"]: row for row in results["rows"]}
@@ -103,6 +108,7 @@ def test_quick_run_learns_and_compares_to_fp32(quick_run):
         assert row["first_step_s"] > 0
 
 
+@pytest.mark.slow
 def test_quick_run_same_schedule_and_curves(quick_run):
     _, results = quick_run
     runs = results["config"]["runs"]
@@ -118,6 +124,7 @@ def test_quick_run_same_schedule_and_curves(quick_run):
         assert len(run["curve"]["val_loss"]) == 2 and not run["nonfinite_loss"]
 
 
+@pytest.mark.slow
 def test_quick_run_peak_memory(quick_run):
     _, results = quick_run
     model = ByteGPT(PRESETS["quick"]["model"])
@@ -131,6 +138,7 @@ def test_quick_run_peak_memory(quick_run):
     assert rows["lowbit_4bit"]["peak_memory_bytes"] < rows["torch_adamw"]["peak_memory_bytes"]
 
 
+@pytest.mark.slow
 def test_quick_run_writes_table_and_plots(quick_run):
     image_module = pytest.importorskip("matplotlib.image")  # an optional dependency ([bench])
     out, results = quick_run
@@ -343,6 +351,7 @@ def test_peak_memory_profiling_keeps_stderr_clean(capfd):
     assert capfd.readouterr().err == "first line\nERROR: a real error\n"
 
 
+@pytest.mark.slow
 def test_release_benchmark_with_checkpointed_activations_saves_the_gradients(tmp_path):
     """``benchmarks/bench_release.py`` with activations checkpointed and a short sequence (the
     regime where gradients, not activations, set the peak): release lowers a training step's

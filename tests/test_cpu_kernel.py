@@ -60,6 +60,7 @@ def run_both(setup, grad, scalars, isa, **flags):
     return (param, states), (ref_param, ref_states)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
@@ -79,6 +80,7 @@ FLAG_COMBOS = {
 }
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("combo", FLAG_COMBOS)
@@ -106,6 +108,7 @@ def test_smallest_block_size(kernel, ieee_sqrt, pair):
     torch.testing.assert_close(param, ref_param, rtol=0, atol=0)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 def test_non_finite_huge_and_zero_gradients(kernel, ieee_sqrt, pair, isa):
@@ -128,6 +131,7 @@ def test_non_finite_huge_and_zero_gradients(kernel, ieee_sqrt, pair, isa):
     assert states[0].scales[0] == 0 and torch.isfinite(param).all()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -156,6 +160,7 @@ def test_blocks_with_and_without_a_non_finite_gradient_in_one_step(kernel, ieee_
     assert torch.isfinite(param).all()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 def test_negative_second_moment_scales_count_magnitudes(kernel, ieee_sqrt, pair, isa):
@@ -175,6 +180,7 @@ def test_negative_second_moment_scales_count_magnitudes(kernel, ieee_sqrt, pair,
     assert ref_param.isnan().any()  # negative second moments reached the update
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 def test_ratio_clamped_at_its_bound_and_nan_ratios_kept(kernel, ieee_sqrt, pair, isa):
@@ -203,6 +209,7 @@ def test_ratio_clamped_at_its_bound_and_nan_ratios_kept(kernel, ieee_sqrt, pair,
     assert ref_param.isnan().any()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("pair", FORMAT_PAIRS)
 @pytest.mark.parametrize("amsgrad", [False, True])

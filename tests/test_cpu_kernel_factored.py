@@ -271,6 +271,7 @@ def test_statistics_of_a_row_shard_in_chunks_match_compiled_pass(monkeypatch, fl
     assert (columns > 0).all()  # every column saw a finite gradient
 
 
+@pytest.mark.slow
 def test_bf16_stochastic_rounding_stays_within_one_ulp(monkeypatch):
     """The kernel's random bits are its own: parameters are one of the two bfloat16 neighbours
     of the rounded step's update, and not all of them on it; the first moment is unchanged."""

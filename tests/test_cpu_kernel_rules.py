@@ -103,6 +103,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_matches_compiled_step(monkeypatch, cls, isa):
@@ -120,6 +121,7 @@ HALF_PRECISION = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", HALF_PRECISION)
 def test_half_precision_parameters_and_maximize_match_compiled_step(monkeypatch, case):
     """bfloat16 and float16 parameters, rounded to nearest or with their master weight's
@@ -129,6 +131,7 @@ def test_half_precision_parameters_and_maximize_match_compiled_step(monkeypatch,
         assert_matches_compiled(monkeypatch, cls, isa, **arguments)
 
 
+@pytest.mark.slow
 def test_bf16_stochastic_rounding_stays_within_one_ulp(monkeypatch):
     """The kernel's random bits are its own, so parameters are one of the two bfloat16
     neighbours of the update: at most one bfloat16 ulp from the nearest rounding, and not all

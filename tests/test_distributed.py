@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import relative_rmse
-from helpers import free_port
+from helpers import free_port, seeded_mlp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -68,6 +68,9 @@ from lowbit_optim import (
     release_gradients,
 )
 
+# Slow tier: every test here reads the runs of spawned 2-rank process groups (FSDP2, DDP, DCP).
+pytestmark = pytest.mark.slow
+
 OPTIMIZERS = {"8bit": AdamW8bit, "4bit": AdamW4bit, "fp8": AdamWFp8, "factored": AdamWFactored4bit}
 BLOCKWISE = ("8bit", "4bit", "fp8")  # every moment blockwise codes: each shard's blocks stand alone
 # Compiled in the 1-rank worker as well (each costs a compile at its thread count; the float8
@@ -80,8 +83,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(40, 33), nn.Tanh(), nn.Linear(33, 7))
+    return seeded_mlp(40, 33, 7)
 
 
 def batch(step: int):

@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# Slow tier: each example runs in a fresh interpreter (an import of torch each).
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 COMPLETE_PAGES = ("usage.md", "triton.md", "gradient_release.md", "cpu_kernel.md")

@@ -10,6 +10,9 @@ import sys
 import pytest
 from helpers import free_port
 
+# Slow tier: each example is a 2-rank torchrun of its own.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from conftest import relative_rmse
+from conftest import relative_rmse, slow_except
 from torch._inductor.utils import run_and_get_code
 
 import lowbit_optim
@@ -252,6 +252,7 @@ def test_decode_is_the_table(fmt):
     assert torch.equal(fmt.codec.decode(codes), fmt.table)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("numel", ODD_SIZES)
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
 def test_round_trip_error_within_format_bound(fmt, numel):
@@ -320,7 +321,9 @@ def test_state_bytes_per_element():
         assert nbytes / (1024 * 1024) <= limit
 
 
-@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+# One graph per format: the fast tier compiles the 8-bit signed map's (the compiled optimizer
+# steps of tests/test_optimizer.py compile the others' encoders within their steps).
+@pytest.mark.parametrize("fmt", slow_except(ALL_FORMATS, DYNAMIC_8BIT_SIGNED), ids=lambda f: f.name)
 def test_compiled_quantize_matches_eager(fmt):
     blocks = sample(fmt, (37, fmt.default_block_size))
     compiled = torch.compile(fmt.quantize_blocks, dynamic=False)
@@ -340,6 +343,8 @@ def test_unknown_format_and_bad_block_size():
         QuantizedState.zeros((10,), DYNAMIC_4BIT_SIGNED, 7)
 
 
+# Slow tier: run_and_get_code resets Dynamo, so every graph compiled before it is compiled again.
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
 def test_compiled_cpu_step_has_no_scalar_fallbacks(optimizer):
     """Guards the compiled step's CPU speed in Inductor's generated C++: no float64 ``std::pow``

@@ -165,13 +165,15 @@ def fuzz(backend: str, shapes: str, dtypes, max_examples: int):
 ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # Examples per class, besides the two worst cases: eager is cheap per example and covers every
 # dtype and shape; the compiled step and the interpreter cost ~10x more per example.
-test_extreme_gradients_eager = fuzz("eager", "all", ALL_DTYPES, max_examples=12)
-test_extreme_gradients_compile = fuzz("compile", "compile", [torch.float32], max_examples=3)
-test_extreme_gradients_triton = pytest.mark.usefixtures("interpreter")(
-    fuzz("triton", "tiny", [torch.float32], max_examples=3))
+# All in the slow tier: the fast tier keeps the worst cases as the plain tests below.
+test_extreme_gradients_eager = pytest.mark.slow(fuzz("eager", "all", ALL_DTYPES, max_examples=12))
+test_extreme_gradients_compile = pytest.mark.slow(fuzz("compile", "compile", [torch.float32], max_examples=3))
+test_extreme_gradients_triton = pytest.mark.slow(pytest.mark.usefixtures("interpreter")(
+    fuzz("triton", "tiny", [torch.float32], max_examples=3)))
 
 
 # --- the patterns users met, as plain tests -----------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("gradient_kind", ["one-element-1e25", "all-1e30"])
 @pytest.mark.parametrize("backend", ["eager", "compile"])
 def test_a_1e25_gradient_keeps_the_factored_weight_finite(backend, gradient_kind, compile_counter):
@@ -204,6 +206,7 @@ def test_a_1e25_gradient_keeps_the_factored_weight_finite(backend, gradient_kind
     assert counter.graphs == 0
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("group", ["quantized", "float-state"])
 @pytest.mark.parametrize("backend", ["eager", "compile", "triton"])
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)

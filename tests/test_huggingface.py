@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import slow_except
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -126,6 +127,7 @@ def train(args, *, resume_from_checkpoint=None, **trainer_kwargs):
     return trainer, recorder, graphs_before
 
 
+# The tests that read the 20-step compiled run and its resumption are in the slow tier.
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     args = training_args(tmp_path_factory.mktemp("full"), optim="lowbit_adamw_4bit",
@@ -254,6 +256,7 @@ def test_out_of_range_optim_args_fail_in_the_constructor(tmp_path):
 
 
 # --- a real Trainer run ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_trainer_uses_our_optimizer_with_its_two_param_groups(full_run):
     trainer, _, _ = full_run
     optimizer = inner(trainer.optimizer)
@@ -270,6 +273,7 @@ def test_trainer_uses_our_optimizer_with_its_two_param_groups(full_run):
     assert all("bias" in names[id(p)] or ".ln_" in names[id(p)] for p in no_decay["params"])
 
 
+@pytest.mark.slow
 def test_state_is_quantized_above_min_quant_size(full_run):
     trainer, _, _ = full_run
     optimizer = inner(trainer.optimizer)
@@ -305,8 +309,11 @@ def short_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("optim", ["lowbit_adamw_4bit_factored", "lowbit_adamw_fp8",
-                                   "lowbit_adamw_4bit_factored_offload", "lowbit_adamw_fp8_offload"])
+OPTIM_STRINGS = ["lowbit_adamw_4bit_factored", "lowbit_adamw_fp8", "lowbit_adamw_4bit_factored_offload",
+                 "lowbit_adamw_fp8_offload"]
+
+
+@pytest.mark.parametrize("optim", slow_except(OPTIM_STRINGS, "lowbit_adamw_fp8"))
 def test_trainer_with_the_optim_string(short_runs, optim):
     """The class behind the name steps Trainer's two groups, with its state formats: factored
     second moments for AdamWFactored4bit's 2-D weights (GPT-2's Conv1D and embeddings). An
@@ -348,6 +355,7 @@ def test_trainer_trains_a_float16_model_with_24_bit_master_weights(tmp_path):
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
 
 
+@pytest.mark.slow
 def test_loss_goes_down(full_run):
     trainer, _, _ = full_run
     losses = [entry["loss"] for entry in step_logs(trainer)]
@@ -356,6 +364,7 @@ def test_loss_goes_down(full_run):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0
 
 
+@pytest.mark.slow
 def test_scheduler_drives_our_lr_tensor_without_recompiles(full_run):
     trainer, recorder, graphs_before = full_run
     logged = [entry["learning_rate"] for entry in step_logs(trainer)]
@@ -373,6 +382,7 @@ def test_scheduler_drives_our_lr_tensor_without_recompiles(full_run):
     assert recorder.graphs_after_step[-1] == recorder.graphs_after_step[0]
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_and_clipping(full_run):
     trainer, recorder, _ = full_run
     # One optimizer step per ACCUMULATION micro-batches: our step counter follows global_step.
@@ -385,6 +395,7 @@ def test_gradient_accumulation_and_clipping(full_run):
     assert max(pre_clip) > MAX_GRAD_NORM  # clipping really happened
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(full_run, resumed_run):
     trainer, _, _ = full_run
     resumed, recorder, graphs_before = resumed_run

@@ -77,6 +77,10 @@ def assert_float16_exact_range(params):
     assert all((p.detach().abs() >= FLOAT16_EXACT_FROM).all() for p in params)
 
 
+def compiled_cases_slow(cases):
+    return [pytest.param(*case, marks=pytest.mark.slow) if case[2] == "compile" else case for case in cases]
+
+
 BIT_FOR_BIT = [(dtype, name, backend) for dtype in DTYPES for name, backend in [
     ("AdamW4bit", "eager"), ("AdamW4bit", "compile"), ("AdamW8bit", "compile"), ("AdamW8bit", "cpu"),
     ("AdamWFp8", "eager"), ("AdamWFactored4bit", "eager"), ("Adam4bit", "eager"), ("Lion8bit", "eager"),
@@ -84,7 +88,9 @@ BIT_FOR_BIT = [(dtype, name, backend) for dtype in DTYPES for name, backend in [
 ]] + [(torch.float16, "Lion8bit", "compile")]
 
 
-@pytest.mark.parametrize("dtype, name, backend", BIT_FOR_BIT, ids=lambda v: str(v).removeprefix("torch."))
+# Compiled, each (class, dtype) with a correction is a graph of its own: the slow tier's.
+@pytest.mark.parametrize("dtype, name, backend", compiled_cases_slow(BIT_FOR_BIT),
+                         ids=lambda v: str(v).removeprefix("torch."))
 def test_32_bit_master_weights_follow_the_fp32_model_bit_for_bit(dtype, name, backend):
     optimizer_class = getattr(lowbit_optim, name)
     fp32, low = params_pair(dtype=dtype, away_from_zero=dtype == torch.float16)
@@ -104,6 +110,7 @@ def test_32_bit_master_weights_follow_the_fp32_model_bit_for_bit(dtype, name, ba
         assert torch.equal(param.detach(), split_master(expected.detach(), dtype, torch.int16)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compiled_factored_step_with_32_bit_master_weights_differs_only_by_its_row_sums(dtype):
     # The compiled statistics pass sums each row of the squared gradient in an order Inductor
@@ -130,7 +137,8 @@ BOUNDED_24 = [(dtype, name, backend) for dtype in DTYPES for name, backend in [
 ]]
 
 
-@pytest.mark.parametrize("dtype, name, backend", BOUNDED_24, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("dtype, name, backend", compiled_cases_slow(BOUNDED_24),
+                         ids=lambda v: str(v).removeprefix("torch."))
 def test_24_bit_master_weights_stay_within_their_rounding_of_fp32(dtype, name, backend):
     # Given the same gradients both runs have the same moments, so the master weights differ
     # only by the 24-bit rounding of each step (ROUNDING_24), the float32 rounding of the

@@ -340,6 +340,7 @@ def test_device_weights_loaded_after_the_optimizer_was_built():
 
 
 # --- checkpoints ------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", LOWBIT_NAMES)
 @pytest.mark.parametrize("route", ["offloaded_to_offloaded", "offloaded_to_plain", "plain_to_offloaded"])
 def test_resume_from_a_checkpoint_is_bit_exact(route, name):
@@ -420,6 +421,7 @@ def test_hooks_do_not_keep_a_dropped_optimizer_alive():
 
 
 # --- Hugging Face Trainer ---------------------------------------------------------------
+# Slow tier: Trainer runs (tests/test_huggingface.py keeps one in the fast tier).
 @pytest.fixture(scope="module")
 def trained_gpt2(tmp_path_factory):
     """``trained_gpt2(optim, optim_args)``: a 3-step Trainer run of a tiny GPT-2 with clipping
@@ -460,6 +462,7 @@ def logged_grad_norms(trainer):
     return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
 
 
+@pytest.mark.slow
 def test_trainer_with_the_offload_optim_name_matches_the_plain_one(trained_gpt2):
     pytest.importorskip("accelerate")
     plain = trained_gpt2("lowbit_adamw_8bit")
@@ -470,6 +473,7 @@ def test_trainer_with_the_offload_optim_name_matches_the_plain_one(trained_gpt2)
     assert_same_params(plain.model, offloaded.model)
 
 
+@pytest.mark.slow
 def test_trainer_with_offload_gradients_and_max_grad_norm_clips_like_without_offload(trained_gpt2):
     """Trainer clips through accelerate and ``torch.nn.utils.clip_grad_norm_(model.parameters())``,
     then calls ``model.zero_grad()``: with offload_gradients=true that clipped nothing before
@@ -517,6 +521,7 @@ FSDP2_CPU_OFFLOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fsdp2_cpu_offload_policy_with_our_optimizer():
     # A process of its own: the process group must not leak into other tests.
     env = {**os.environ, "PORT": str(random.randint(20000, 40000))}

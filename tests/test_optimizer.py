@@ -116,6 +116,7 @@ def test_eager_and_compiled_agree_step_by_step(cls):
             assert differ < 1e-3
 
 
+@pytest.mark.slow
 def test_bf16_params_compiled_matches_eager():
     initial = torch.randn(64, 100).bfloat16()
     params = [torch.nn.Parameter(initial.clone()) for _ in range(2)]

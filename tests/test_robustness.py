@@ -87,6 +87,7 @@ def step_with_bad_element(cls, kind, bad_value, *, amsgrad=False):
     return before, [target.detach().clone(), other.detach().clone()], state_before, optimizer
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("kind", ["quantized", "float32-state"])
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
@@ -304,6 +305,8 @@ def finite_values(draw):
     return values.clamp(-FLOAT32_MAX, FLOAT32_MAX).float()
 
 
+# The Hypothesis sweeps are the slow tier's; the plain tests above keep the worst cases fast.
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.name)
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(values=finite_values(), block_size=st.sampled_from([16, 64, 256]))
@@ -335,6 +338,7 @@ ANY_GRADIENTS = st.lists(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(grads=ANY_GRADIENTS)
@@ -374,6 +378,7 @@ def test_a_gradient_spike_torch_survives_leaves_the_factored_state_finite(backen
     torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(grads=st.lists(
     # As ANY_GRADIENTS, with GRAD_LIMIT itself drawn often: large terms in numbers.

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import seeded_mlp
 from torch import nn
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, CPUOffloadOptimizer
@@ -20,8 +21,7 @@ STEPS = 5
 
 
 def make_model(dtype) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 80), nn.Tanh(), nn.Linear(80, 70)).to(dtype)
+    return seeded_mlp(64, 80, 70, dtype=dtype)
 
 
 def train(model, optimizer, steps: int = STEPS) -> list[torch.Tensor]:

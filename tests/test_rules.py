@@ -242,6 +242,7 @@ def test_extreme_gradients_leave_parameters_finite(cls, backend):
 
 
 # --- master weights, maximize -----------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [Lion8bit, AdEMAMix8bit], ids=lambda c: c.__name__)
 def test_32_bit_master_weights_follow_the_fp32_parameter_run_bit_for_bit(cls):
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, seeded_mlp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -22,14 +22,16 @@ from torch.distributed.tensor import distribute_tensor
 
 from lowbit_optim import AdEMAMix8bit, Lion4bit, QuantizedState
 
+# Slow tier: the runs are spawned 2-rank process groups.
+pytestmark = pytest.mark.slow
+
 CLASSES = {"Lion4bit": (Lion4bit, {}), "AdEMAMix8bit": (AdEMAMix8bit, dict(t_alpha=3, t_beta3=3))}
 OPTIONS = dict(lr=1e-2, weight_decay=0.1, min_quant_size=1024, backend="eager")
 STEPS = 4
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64))  # a 4096-element weight (quantized) and a bias
+    return seeded_mlp(64, 64)  # a 4096-element weight (quantized) and a bias
 
 
 def make_optimizer(name: str, params):

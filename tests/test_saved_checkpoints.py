@@ -58,6 +58,7 @@ def resume(params, optimizer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("weights_only", [True, False], ids=["weights_only", "full_pickle"])
 @pytest.mark.parametrize("case", list(make_checkpoints.CASES))
 def test_saved_checkpoint_loads_and_saves_back_unchanged(case, weights_only, tmp_path):

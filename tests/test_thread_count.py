@@ -57,6 +57,7 @@ def run(cls, backend: str, threads: int) -> list[torch.Tensor]:
     return results
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("backend", ["eager", "compile"])
 @pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit, AdamWFactored4bit], ids=lambda c: c.__name__)
 def test_step_is_bit_identical_at_one_and_three_threads(cls, backend):

@@ -50,6 +50,7 @@ from lowbit_optim.step.kernels import launcher, param_access  # noqa: E402
 # kernel's selects put the old values back.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 
+@pytest.mark.sweep
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(100,), (256,), (4097,), (123, 123)], ids=str)

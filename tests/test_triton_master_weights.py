@@ -148,6 +148,7 @@ def assert_split_of_float32_step(kind, bits, dtype, device="cpu"):
 DTYPES = [torch.bfloat16, torch.float16]
 
 
+@pytest.mark.sweep
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
@@ -166,6 +167,7 @@ def test_cuda_master_weight_step_is_the_float32_step_split(kind, bits, dtype):
     assert_split_of_float32_step(kind, bits, dtype, device="cuda")
 
 
+@pytest.mark.sweep
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
@@ -179,6 +181,7 @@ def test_zero_learning_rate_leaves_parameter_and_correction_bit_for_bit(bits, dt
         assert same_bits(param, param_before) and torch.equal(correction, correction_before)
 
 
+@pytest.mark.sweep
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [24, 32])
@@ -246,9 +249,12 @@ def change_rmse(actual, expected, start):
 
 
 @pytest.mark.usefixtures("interpreter")
+# Each case compiles a graph of its own: AdamW4bit's bfloat16 one (which the checkpoint test
+# below compiles too) in the fast tier.
 @pytest.mark.parametrize("optimizer_class, dtype", [
-    (AdamW8bit, torch.bfloat16), (AdamW4bit, torch.bfloat16), (AdamWFp8, torch.bfloat16),
-    (AdamW4bit, torch.float16),
+    pytest.param(AdamW8bit, torch.bfloat16, marks=pytest.mark.slow), (AdamW4bit, torch.bfloat16),
+    pytest.param(AdamWFp8, torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param(AdamW4bit, torch.float16, marks=pytest.mark.slow),
 ], ids=lambda value: getattr(value, "__name__", str(value)))
 def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class, dtype):
     """``STEPS`` steps, kernel against compiled step, float32 parameters (the bound's
@@ -317,6 +323,7 @@ def test_the_kernel_refuses_what_master_weights_exclude():
     assert same_bits(param, before)  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("interpreter")
 def test_custom_op_with_master_weights_under_torch_compile():
     """The op takes the corrections as a mutated list, so a compiled function updates them in
