@@ -14,6 +14,7 @@ initial weights and batches. The table gives the state bytes per parameter of ea
 
 import argparse
 import concurrent.futures
+import json
 import multiprocessing
 import pathlib
 import statistics
@@ -187,6 +188,9 @@ def parse_args(argv):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--jobs", type=int, default=2, help="runs trained at once, one thread each")
+    parser.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="JSON",
+                        help="train nothing: one table from the runs of earlier outputs (a study "
+                             "split over processes or machines; the first run of a method and seed wins)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out/muon_methods.json"))
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -198,8 +202,34 @@ def parse_args(argv):
     return args
 
 
+def heading_for(config: dict, env: dict) -> str:
+    model = config["model"]
+    return (f"byte GPT (d_model {model['d_model']}, {model['n_layers']} layers), {config['steps']} steps "
+            f"of {config['batch_size']} x {model['context']} bytes, Muon LR {config['muon_lr']} on the "
+            f"hidden matrices, AdamW LR {config['adamw_lr']} on the rest, seeds {config['seeds']}, one "
+            f"thread per run; {harness.machine_line(env)}")
+
+
+def merge(paths: list[pathlib.Path], out: pathlib.Path) -> int:
+    payloads = [json.loads(path.read_text()) for path in paths]
+    runs: dict[str, dict[int, dict]] = {}
+    for payload in payloads:
+        for run in payload["config"]["runs"]:
+            runs.setdefault(run["method"], {}).setdefault(run["seed"], run)
+    ordered = {method: [seed_runs[seed] for seed in sorted(seed_runs)]
+               for method in METHODS if (seed_runs := runs.get(method))}
+    config = {**payloads[0]["config"], "merged_from": [str(path) for path in paths],
+              "runs": [run for seed_runs in ordered.values() for run in seed_runs]}
+    env = payloads[0]["environment"]
+    harness.report(out, "muon_methods", summarize(ordered), COLUMNS, heading=heading_for(config, env),
+                   env=env, config=config)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     env = harness.environment(torch.device("cpu"))
     runs: dict[str, list[dict]] = {method: [] for method in args.methods}
     start = time.perf_counter()
@@ -216,17 +246,13 @@ def main(argv=None) -> int:
     for seed_runs in runs.values():
         seed_runs.sort(key=lambda run: run["seed"])
     rows = summarize(runs)
-    heading = (f"{sum(p.numel() for p in ByteGPT(MODEL).parameters()) / 1e6:.2f}M-parameter byte GPT "
-               f"(d_model {MODEL.d_model}, {MODEL.n_layers} layers), {args.steps} steps of {BATCH_SIZE} x "
-               f"{MODEL.context} bytes, Muon LR {MUON_LR} on the hidden matrices, AdamW LR {ADAMW_LR} "
-               f"on the rest, seeds {args.seeds}, one thread per run; "
-               f"{harness.machine_line(env)}")
     config = {"model": MODEL.as_dict(), "steps": args.steps, "batch_size": BATCH_SIZE,
               "muon_lr": MUON_LR, "adamw_lr": ADAMW_LR, "weight_decay": WEIGHT_DECAY,
               "betas": BETAS, "grad_clip": GRAD_CLIP, "seeds": args.seeds,
               "wall_s": time.perf_counter() - start,
               "runs": [run for seed_runs in runs.values() for run in seed_runs]}
-    harness.report(args.out, "muon_methods", rows, COLUMNS, heading=heading, env=env, config=config)
+    harness.report(args.out, "muon_methods", rows, COLUMNS, heading=heading_for(config, env), env=env,
+                   config=config)
     return 0
 
 
