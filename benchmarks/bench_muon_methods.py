@@ -184,7 +184,8 @@ COLUMNS = [
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
-                        metavar="METHOD", help=f"storages to train with (default: all of {list(METHODS)})")
+                        metavar="METHOD", help=f"storages to train with (default: all of {list(METHODS)}); "
+                             f"gaps are measured against {BASELINE!r}, in the same run or --merge'd")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--jobs", type=int, default=2, help="runs trained at once, one thread each")
@@ -197,8 +198,6 @@ def parse_args(argv):
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    if BASELINE not in args.methods:
-        args.methods.insert(0, BASELINE)  # every gap is measured against it
     return args
 
 
@@ -233,24 +232,33 @@ def main(argv=None) -> int:
     env = harness.environment(torch.device("cpu"))
     runs: dict[str, list[dict]] = {method: [] for method in args.methods}
     start = time.perf_counter()
+
+    def write_results() -> tuple[list[dict], dict]:
+        """The JSON of the runs finished so far: rewritten after every run, so a study stopped
+        part way (Ctrl-C, a time limit) keeps what it measured (``--merge`` combines such files)."""
+        finished = {method: sorted(seed_runs, key=lambda run: run["seed"])
+                    for method, seed_runs in runs.items() if seed_runs}
+        config = {"model": MODEL.as_dict(), "steps": args.steps, "batch_size": BATCH_SIZE,
+                  "muon_lr": MUON_LR, "adamw_lr": ADAMW_LR, "weight_decay": WEIGHT_DECAY,
+                  "betas": BETAS, "grad_clip": GRAD_CLIP, "seeds": args.seeds,
+                  "wall_s": time.perf_counter() - start,
+                  "runs": [run for seed_runs in finished.values() for run in seed_runs]}
+        rows = summarize(finished)
+        harness.write_json(args.out, "muon_methods", rows, env=env, config=config)
+        return rows, config
+
     # spawn, not fork: a forked child inherits torch's thread pool half-initialised.
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        futures = {pool.submit(train_in_worker, method, seed, args.steps): method
-                   for method in args.methods for seed in args.seeds}
+        futures = [pool.submit(train_in_worker, method, seed, args.steps)
+                   for method in args.methods for seed in args.seeds]
         for future in concurrent.futures.as_completed(futures):
             run = future.result()
             runs[run["method"]].append(run)
+            write_results()
             print(f"{run['method']} seed {run['seed']}: val {run['final_val_loss']:.4f} "
                   f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    for seed_runs in runs.values():
-        seed_runs.sort(key=lambda run: run["seed"])
-    rows = summarize(runs)
-    config = {"model": MODEL.as_dict(), "steps": args.steps, "batch_size": BATCH_SIZE,
-              "muon_lr": MUON_LR, "adamw_lr": ADAMW_LR, "weight_decay": WEIGHT_DECAY,
-              "betas": BETAS, "grad_clip": GRAD_CLIP, "seeds": args.seeds,
-              "wall_s": time.perf_counter() - start,
-              "runs": [run for seed_runs in runs.values() for run in seed_runs]}
+    rows, config = write_results()
     harness.report(args.out, "muon_methods", rows, COLUMNS, heading=heading_for(config, env), env=env,
                    config=config)
     return 0
