@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-COMPLETE_PAGES = ("usage.md", "triton.md", "gradient_release.md", "cpu_kernel.md")
+COMPLETE_PAGES = ("usage.md", "triton.md", "gradient_release.md", "cpu_kernel.md", "muon.md")
 
 
 def examples() -> list:
