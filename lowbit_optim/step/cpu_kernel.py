@@ -20,6 +20,7 @@ import hashlib
 import operator
 import os
 import pathlib
+import re
 import struct
 import warnings
 from typing import NamedTuple
@@ -47,11 +48,39 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_ENV = "LOWBIT_OPTIM_CPU_ISA"
 MAX_BLOCK_SIZE = 2048
 
+
+
+class FunctorShape(NamedTuple):
+    """A functor's row of ``cpu_step_args.h``: its ``RuleId`` and ``kRuleShapes`` entry (how many
+    host values it reads, its fewest and most moments)."""
+
+    rule_id: int
+    values: int
+    min_moments: int
+    max_moments: int
+
+
+def functor_shapes(header: str) -> dict[str, FunctorShape]:
+    """``RuleId`` and ``kRuleShapes`` as the header declares them, by the name a rule module gives
+    its ``cpu_functor`` (``kAdEMAMix`` -> ``"ademamix"``). Read from the header itself, so the
+    ids and value counts are written once, where the kernel reads them."""
+    enum = re.search(r"enum RuleId : int32_t \{([^}]*)\}", header)
+    table = re.search(r"kRuleShapes\[\] = \{(.*?)\n\};", header, re.S)
+    if enum is None or table is None:
+        raise ImportError("csrc/cpu_step_args.h declares no RuleId or kRuleShapes")
+    rows = [tuple(map(int, row)) for row in re.findall(r"\{(\d+), (\d+), (\d+)\}", table.group(1))]
+    shapes = {}
+    for item in enum.group(1).split(","):
+        name, rule_id = (part.strip() for part in item.split("="))
+        shapes[name.removeprefix("k").lower()] = FunctorShape(int(rule_id), *rows[int(rule_id)])
+    return shapes
+
+
 # The rules with a functor (``csrc/rules/<name>.h``), by the name a rule module declares as its
-# ``cpu_functor``: cpu_step_args.h's RuleId.
-RULE_FUNCTORS = {"adamw": 0, "lion": 1, "ademamix": 2}
-# AdamWFactored4bit's functor (rules/adamw_factored.h) has operators of its own:
-# step/cpu_kernel_factored.py.
+# ``cpu_functor``. AdamWFactored4bit's functor (rules/adamw_factored.h) and the factored
+# statistics have operators of their own (step/cpu_kernel_factored.py).
+FUNCTOR_SHAPES = functor_shapes((SOURCE_DIR / "cpu_step_args.h").read_text())
+RULE_FUNCTORS = {name: shape.rule_id for name, shape in FUNCTOR_SHAPES.items()}
 
 # cpu_step_args.h's StateKind, Encoder and CellSign.
 _KIND = {4: 1, 8: 0}
