@@ -127,9 +127,12 @@ def _check_state(param, codes_and_scales, block_size, formats) -> None:
             raise ValueError(f"state on {codes.device} does not match parameter on {param.device}")
 
 
-def _rule_entry(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, weight_correction=None) -> RuleEntry:
+def _rule_entry(entry: tuple) -> RuleEntry:
+    """``step_group``'s ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step[,
+    weight_correction])`` as the record every implementation reads."""
+    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *correction = entry
     maximum = () if max_exp_avg_sq is None else (max_exp_avg_sq,)
-    return RuleEntry(param, grad, (exp_avg, exp_avg_sq, *maximum), step, weight_correction)
+    return RuleEntry(param, grad, (exp_avg, exp_avg_sq, *maximum), step, *correction)
 
 
 def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
@@ -154,7 +157,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
     """
     if not entries:
         return
-    entries = [_rule_entry(*entry) for entry in entries]
+    entries = [*map(_rule_entry, entries)]
     plan = KernelGroupPlan(entries)
     if not torch.compiler.is_compiling():
         names, given = ("lr", "beta1", "beta2", "eps", "weight_decay"), (lr, beta1, beta2, eps, weight_decay)
