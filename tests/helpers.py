@@ -1,15 +1,18 @@
 """Helpers shared by several test modules (test modules never import each other)."""
 
 import socket
+from typing import NamedTuple
 
 import torch
 from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
 from lowbit_optim.formats import catalog as formats
-from lowbit_optim.step import factored, quantized
-from lowbit_optim.step.chunks import ParamStep, TailScratch
+from lowbit_optim.step import factored, rule_step
+from lowbit_optim.step.chunks import TailScratch
+from lowbit_optim.step.hyperparams import StepOptions
 from lowbit_optim.step.math import StepScalars
+from lowbit_optim.step.rules.adamw import ADAMW
 
 # The regression problem's length: the bounds against torch.optim.AdamW and Adam in
 # tests/test_optimizer.py and tests/test_adam.py were measured at it.
@@ -100,7 +103,7 @@ SCHEDULES = {
 def graph_count(optimizer):
     """Graphs of the optimizer's compiled steps (the factored class has two more functions:
     its statistics and its update)."""
-    count = quantized.compiled_graph_count(optimizer.exp_avg_format, optimizer.exp_avg_sq_format)
+    count = rule_step.rule_graph_count(ADAMW, (optimizer.exp_avg_format, optimizer.exp_avg_sq_format))
     if isinstance(optimizer, AdamWFactored4bit):
         count += factored.compiled_graph_count(optimizer.exp_avg_format)
     return count
@@ -166,15 +169,37 @@ class KernelSetup:
         self.step = 4
 
     def entry(self, param, grad, states):
-        return ParamStep(param, grad, states[0], states[1], states[2] if len(states) == 3 else None, None)
+        return AdamWEntry(param, grad, states[0], states[1], states[2] if len(states) == 3 else None)
 
     def reference_step(self, param, states, grad, scalars, **flags):
         flags = {"maximize": False, "stochastic_round": False, "decoupled_weight_decay": True, **flags}
         entry = self.entry(param, grad, states)
-        quantized.run_quantized_step("eager", entry, scalars, TailScratch(), **flags)
+        run_quantized_step("eager", entry, scalars, TailScratch(), **flags)
 
     def copies(self):
         return self.param.clone(), [s.clone() for s in self.states]
+
+
+class AdamWEntry(NamedTuple):
+    """An AdamW parameter and its quantized moments by name (``max_exp_avg_sq``: amsgrad's or
+    None), and its master weight correction, if it keeps one."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: QuantizedState
+    exp_avg_sq: QuantizedState
+    max_exp_avg_sq: QuantizedState | None
+    weight_correction: torch.Tensor | None = None
+
+
+def run_quantized_step(backend: str, entry: AdamWEntry, scalars: StepScalars, scratch: TailScratch, *,
+                       maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool = True) -> None:
+    """One AdamW parameter's compiled (``"compile"``) or eager quantized step at ``scalars.step``."""
+    moments = tuple(moment for moment in entry[2:5] if moment is not None)
+    plan = rule_step.RulePlan(ADAMW, [rule_step.RuleEntry(entry.param, entry.grad, moments, scalars.step,
+                                                          entry.weight_correction)], backend)
+    options = StepOptions(maximize, stochastic_round, None, decoupled_weight_decay)
+    plan.run([entry.grad], scalars, options, scratch)
 
 
 def assert_same_quantized(states, expected_states):

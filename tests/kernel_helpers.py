@@ -26,7 +26,8 @@ from conftest import assert_close_verbose
 from lowbit_optim.formats.catalog import get_format
 from lowbit_optim.state import QuantizedState
 from lowbit_optim.step.math import StepScalars
-from lowbit_optim.step.quantized import StoredMoment, quantized_adamw_step
+from lowbit_optim.step.rule_step import StoredMoment, quantized_rule_step
+from lowbit_optim.step.rules.adamw import ADAMW
 
 pytest.importorskip("triton")
 from lowbit_optim.step import kernels  # noqa: E402  (needs Triton)
@@ -80,8 +81,8 @@ def gradient(numel, dtype):
 
 def reference_step(param, grad, states, hyper, *, maximize=False, decoupled_weight_decay=True,
                    correction=None):
-    """``quantized_adamw_step`` on zero-padded blocks; updates ``param`` and ``states`` (and the
-    master weight ``correction``, if given) in place."""
+    """The AdamW rule's ``quantized_rule_step`` on zero-padded blocks; updates ``param`` and
+    ``states`` (and the master weight ``correction``, if given) in place."""
     exp_avg, exp_avg_sq = states[:2]
     block_size, num_blocks = exp_avg.block_size, exp_avg.num_blocks
     padding = num_blocks * block_size - param.numel()
@@ -92,10 +93,10 @@ def reference_step(param, grad, states, hyper, *, maximize=False, decoupled_weig
     param_blocks, grad_blocks = blocks(param), blocks(grad)
     correction_blocks = None if correction is None else blocks(correction)
     stored = [StoredMoment(state.codes, state.scales) for state in states]
-    quantized_adamw_step(
-        param_blocks, grad_blocks, stored[0], stored[1], stored[2] if len(stored) == 3 else None,
-        StepScalars(*hyper), exp_avg_format=exp_avg.format, exp_avg_sq_format=exp_avg_sq.format,
-        maximize=maximize, stochastic_round=False, decoupled_weight_decay=decoupled_weight_decay,
+    rule = ADAMW.for_decay(decoupled_weight_decay)
+    quantized_rule_step(
+        param_blocks, grad_blocks, tuple(stored), rule.step_constants(StepScalars(*hyper), hyper[5]),
+        rule=rule, formats=tuple(state.format for state in states), maximize=maximize, stochastic_round=False,
         weight_correction=correction_blocks,
     )
     param.copy_(param_blocks.view(-1)[: param.numel()].view(param.shape))

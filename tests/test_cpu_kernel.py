@@ -22,13 +22,13 @@ from helpers import (
     assert_same_quantized,
     available_isas,
     make_scalars,
+    run_quantized_step,
     spread_gradient,
 )
 
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.math import host_adam_ratio_bound
-from lowbit_optim.step.quantized import run_quantized_step
 
 SHAPES = [(1,), (127,), (4097,), (123, 123)]
 

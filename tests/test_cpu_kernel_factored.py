@@ -29,10 +29,11 @@ from helpers import assert_same_state, available_isas, make_scalars
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
 from lowbit_optim.state.factored import normalized_columns
 from lowbit_optim.step import chunks, cpu_kernel
-from lowbit_optim.step.chunks import ParamStep, PlannedStep, TailScratch
-from lowbit_optim.step.dispatch import AdamWPlan
+from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.factored import FactoredParams, accumulate_statistics
 from lowbit_optim.step.math import host_adam_ratio_bound
+from lowbit_optim.step.rule_step import RuleEntry
+from lowbit_optim.step.rules.adamw import ADAMW
 
 # (33, 70): 2310 = 18 * 128 + 6, columns not a multiple of the block; (12, 300): columns above
 # the block, 3600 = 28 * 128 + 16; (40, 64): two rows per block; (4, 9, 40): factored as (36, 40).
@@ -113,10 +114,10 @@ def reference_columns(self, kernel, hyper):
     """``FactoredParams._kernel_columns`` replaced by the foreach accumulation and
     ``normalized_columns`` the other backends run."""
     positions = [position for position, by_kernel in enumerate(kernel) if by_kernel]
-    accumulate_statistics([self.entries[p][1].exp_avg_sq.col for p in positions], hyper.beta2,
+    accumulate_statistics([self.entries[p][1].moments[1].col for p in positions], hyper.beta2,
                           [self.column_means[p] for p in positions])
     for position in positions:
-        normalized_columns(self.entries[position][1].exp_avg_sq.col, out=self.normalized_columns[position])
+        normalized_columns(self.entries[position][1].moments[1].col, out=self.normalized_columns[position])
 
 
 def use_reference_statistics(monkeypatch, backend: str) -> None:
@@ -257,7 +258,7 @@ def test_statistics_of_a_row_shard_in_chunks_match_compiled_pass(monkeypatch, fl
         factored = FactoredState.zeros(param.shape)
         factored.row.copy_(torch.rand(20, generator=torch.Generator().manual_seed(6)))
         exp_avg = QuantizedState.zeros(param.shape, AdamWFactored4bit.exp_avg_format, 128)  # its format only
-        entry = PlannedStep(0, ParamStep(param, None, exp_avg, factored, None, hyper.step))
+        entry = (0, RuleEntry(param, None, (exp_avg, factored), hyper.step))
         # The parameter as the optimizer holds it says how many rows there are in all (a
         # DTensor's global shape under FSDP2): 50, of which this shard holds 20.
         whole = torch.empty(50, 70)
@@ -362,10 +363,10 @@ def test_float64_and_mixed_gradient_parameters_take_the_compiled_step():
     def plan(dtype, grad_dtype):
         param = torch.zeros(40, 64, dtype=dtype)
         exp_avg_format = AdamWFactored4bit.exp_avg_format
-        entry = ParamStep(param, torch.ones(40, 64, dtype=grad_dtype),
-                          QuantizedState.zeros(param.shape, exp_avg_format, 128, dtype=dtype),
-                          FactoredState.zeros(param.shape, dtype=dtype), None, torch.tensor(1.0))
-        return AdamWPlan([entry], "cpu").factored.kernel
+        entry = RuleEntry(param, torch.ones(40, 64, dtype=grad_dtype),
+                          (QuantizedState.zeros(param.shape, exp_avg_format, 128, dtype=dtype),
+                           FactoredState.zeros(param.shape, dtype=dtype)), torch.tensor(1.0))
+        return ADAMW.plan([entry], "cpu", [param]).factored.kernel
 
     assert plan(torch.float32, torch.float32) == [True]
     assert plan(torch.bfloat16, torch.bfloat16) == [True]

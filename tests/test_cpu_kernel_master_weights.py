@@ -18,6 +18,7 @@ from helpers import (
     assert_same_quantized,
     available_isas,
     make_scalars,
+    run_quantized_step,
     spread_gradient,
 )
 
@@ -25,7 +26,6 @@ from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.master_weights import correction_dtype, write_master, zeros_correction
-from lowbit_optim.step.quantized import run_quantized_step
 
 SHAPES = [(1,), (4097,), (123, 123)]  # one element, a partial last block, a 2-D parameter
 DTYPES = [torch.bfloat16, torch.float16]

@@ -1,7 +1,7 @@
 """``QuantizedState``: an optimizer moment stored as blockwise codes plus per-block scales.
 
 The subclass only stores and converts; the AdamW math never runs through it (the step works
-on its ``codes`` and ``scales`` directly, see ``lowbit_optim.step.quantized``). It looks like a
+on its ``codes`` and ``scales`` directly, see ``lowbit_optim.step.rule_step``). It looks like a
 tensor of the parameter's shape and dtype so that ``torch.optim.Optimizer`` machinery
 (``state_dict``, ``load_state_dict``'s dtype/device cast, ``torch.save``) handles it.
 

@@ -1,7 +1,8 @@
-"""The pieces every step implementation shares: one parameter's share of a step
-(``ParamStep``), running a step over a parameter's blocks in bounded chunks with a scratch
-block for the partial last one (``for_each_block_chunk``, ``TailScratch``), and a function
-copy with its own code object, so that each compiled step gets its own graph budget.
+"""The pieces every step implementation shares: the one per-parameter record (``RuleEntry``),
+running a step over a parameter's blocks in
+bounded chunks with a scratch block for the partial last one (``for_each_block_chunk``,
+``TailScratch``), and a function copy with its own code object, so that each compiled step gets
+its own graph budget.
 
 ``torch.compile`` sees every parameter as a ``(num_blocks, block_size)`` view with only
 ``num_blocks`` dynamic. On this kind of CPU that keeps one graph for every size at close to
@@ -36,24 +37,15 @@ GROUP_STREAM_BITS = 16
 KIND_STREAM_BITS = 10
 
 
-class PlannedStep(NamedTuple):
-    """A parameter's ``ParamStep`` as a plan keeps it: without its gradient, which each step
-    brings at ``index`` of the step's gradient list."""
-
-    index: int
-    entry: "ParamStep"
-
-
-class ParamStep(NamedTuple):
-    """One parameter's share of a step: the tensors it updates and its step count, and a
-    bfloat16 or float16 parameter's master weight correction (``master_weights``) if it keeps
-    one."""
+class RuleEntry(NamedTuple):
+    """One parameter's share of a rule's step: the tensors it updates (``moments`` in the
+    rule's order, float tensors, ``QuantizedState`` or, for a factored second moment,
+    ``FactoredState``), its step count and a bfloat16 or float16 parameter's master weight
+    correction, if it keeps one."""
 
     param: torch.Tensor
-    grad: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    max_exp_avg_sq: torch.Tensor | None
+    grad: torch.Tensor | None
+    moments: tuple
     step: torch.Tensor
     weight_correction: torch.Tensor | None = None
 

@@ -20,6 +20,7 @@ import hashlib
 import operator
 import os
 import pathlib
+import re
 import struct
 import sys
 import warnings
@@ -48,11 +49,39 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_ENV = "LOWBIT_OPTIM_CPU_ISA"
 MAX_BLOCK_SIZE = 2048
 
+
+
+class FunctorShape(NamedTuple):
+    """A functor's row of ``cpu_step_args.h``: its ``RuleId`` and ``kRuleShapes`` entry (how many
+    host values it reads, its fewest and most moments)."""
+
+    rule_id: int
+    values: int
+    min_moments: int
+    max_moments: int
+
+
+def functor_shapes(header: str) -> dict[str, FunctorShape]:
+    """``RuleId`` and ``kRuleShapes`` as the header declares them, by the name a rule module gives
+    its ``cpu_functor`` (``kAdEMAMix`` -> ``"ademamix"``). Read from the header itself, so the
+    ids and value counts are written once, where the kernel reads them."""
+    enum = re.search(r"enum RuleId : int32_t \{([^}]*)\}", header)
+    table = re.search(r"kRuleShapes\[\] = \{(.*?)\n\};", header, re.S)
+    if enum is None or table is None:
+        raise ImportError("csrc/cpu_step_args.h declares no RuleId or kRuleShapes")
+    rows = [tuple(map(int, row)) for row in re.findall(r"\{(\d+), (\d+), (\d+)\}", table.group(1))]
+    shapes = {}
+    for item in enum.group(1).split(","):
+        name, rule_id = (part.strip() for part in item.split("="))
+        shapes[name.removeprefix("k").lower()] = FunctorShape(int(rule_id), *rows[int(rule_id)])
+    return shapes
+
+
 # The rules with a functor (``csrc/rules/<name>.h``), by the name a rule module declares as its
-# ``cpu_functor``: cpu_step_args.h's RuleId.
-RULE_FUNCTORS = {"adamw": 0, "lion": 1, "ademamix": 2}
-# AdamWFactored4bit's functor (rules/adamw_factored.h) has operators of its own:
-# step/cpu_kernel_factored.py.
+# ``cpu_functor``. AdamWFactored4bit's functor (rules/adamw_factored.h) and the factored
+# statistics have operators of their own (step/cpu_kernel_factored.py).
+FUNCTOR_SHAPES = functor_shapes((SOURCE_DIR / "cpu_step_args.h").read_text())
+RULE_FUNCTORS = {name: shape.rule_id for name, shape in FUNCTOR_SHAPES.items()}
 
 # cpu_step_args.h's StateKind, Encoder and CellSign.
 _KIND = {4: 1, 8: 0}
@@ -269,23 +298,12 @@ def cpu_rule_step(param, grad, moments: tuple, values: list[torch.Tensor], *, fu
     )
 
 
-class BatchEntry(NamedTuple):
-    """One parameter of a ``KernelBatch``: its index in the caller's list, the parameter, its
-    quantized moments (the rule's order), step count and master weight correction (or None)."""
-
-    index: int
-    param: torch.Tensor
-    moments: tuple
-    step: torch.Tensor
-    weight_correction: torch.Tensor | None
-
-
 _CODES = operator.attrgetter("codes")
 _SCALES = operator.attrgetter("scales")
 
 
 class KernelBatch:
-    """Parameters the kernel steps in one call: one rule, one set of moment ``formats``, one
+    """Parameters the kernel steps in one call: one rule, one set of moment formats, one
     block size, parameter dtype and correction dtype (``kernel_batches`` sorts a group's
     parameters into them).
 
@@ -295,21 +313,23 @@ class KernelBatch:
     many small parameters keeps both threads busy.
     """
 
-    def __init__(self, entries: list[BatchEntry], functor: str, formats: tuple[QuantFormat, ...]):
-        self.indices = [entry.index for entry in entries]
-        self.params = [entry.param.detach() for entry in entries]
-        self.moments = [moment for entry in entries for moment in entry.moments]
-        self.steps = [entry.step for entry in entries]
-        corrections = [entry.weight_correction for entry in entries]
+    def __init__(self, entries: list[tuple], functor: str):
+        first = entries[0][1]
+        self.indices = [index for index, _ in entries]
+        self.params = [entry.param.detach() for _, entry in entries]
+        self.moments = [moment for _, entry in entries for moment in entry.moments]
+        self.steps = [entry.step for _, entry in entries]
+        corrections = [entry.weight_correction for _, entry in entries]
         self.corrections = [] if corrections[0] is None else corrections
         self.functor = RULE_FUNCTORS[functor]
-        self.constants = format_constants(formats)
-        self.block_size = entries[0].moments[0].block_size
+        self.constants = format_constants(tuple(moment.format for moment in first.moments))
+        self.block_size = first.moments[0].block_size
 
     def run(self, grads: list[torch.Tensor], values_of, options: KernelOptions) -> None:
         """Step the batch's parameters with their gradients (``grads``: the caller's list, read
         at the batch's indices; each of its parameter's dtype, as the step checks before any
-        plan steps) and ``values_of(step)``, the functor's values for a step count."""
+        plan steps) and ``values_of(step)``, the functor's values for a step count (the rule's
+        ``step_constants``)."""
         constants = self.constants
         torch.ops.lowbit_optim.cpu_rule_step(
             self.params, [grads[i] for i in self.indices], [*map(_CODES, self.moments)],
@@ -320,36 +340,36 @@ class KernelBatch:
         )
 
 
-def kernel_batches(entries: list[BatchEntry], functor: str, formats_of) -> list[KernelBatch]:
-    """``entries`` sorted into ``KernelBatch``es, in order of first appearance (``formats_of(entry)``:
-    the formats its moments are decoded and encoded with)."""
-    batches: dict[tuple, list[BatchEntry]] = {}
-    for entry in entries:
+def kernel_batches(entries: list[tuple], functor: str) -> list[KernelBatch]:
+    """``entries`` (``(index, rule_step.RuleEntry)``: its position in the step's gradient
+    list) sorted into ``KernelBatch``es, in order of first appearance."""
+    batches: dict[tuple, list[tuple]] = {}
+    for index, entry in entries:
         correction = entry.weight_correction
-        key = (formats_of(entry), entry.moments[0].block_size, entry.param.dtype,
-               None if correction is None else correction.dtype)
-        batches.setdefault(key, []).append(entry)
-    return [KernelBatch(members, functor, key[0]) for key, members in batches.items()]
+        key = (tuple(moment.format for moment in entry.moments), entry.moments[0].block_size,
+               entry.param.dtype, None if correction is None else correction.dtype)
+        batches.setdefault(key, []).append((index, entry))
+    return [KernelBatch(members, functor) for members in batches.values()]
 
 
-# AdamW's functor reads its weight decay's kind as a host value (1: decoupled, 0: L2).
+# The AdamW functor's last value, its weight decay's kind (csrc/rules/adamw.h: 1 decoupled, 0 L2).
 DECOUPLED = {True: torch.tensor(1.0, dtype=torch.float64), False: torch.tensor(0.0, dtype=torch.float64)}
 
 
 def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
                    stochastic_round: bool, decoupled_weight_decay: bool = True,
                    isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
-    """One AdamW parameter's step with the kernel, in place: ``quantized_adamw_step``'s result.
+    """One AdamW parameter's step with the kernel, in place: the compiled step's result.
 
     ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
-    of the whole parameter; ``scalars`` a ``step.math.StepScalars`` of 0-d CPU tensors.
-    ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``).
-    ``weight_correction`` as in ``cpu_rule_step``. amsgrad's maximum is decoded and encoded
-    with the second moment's table and encoder.
+    of the whole parameter; ``scalars``: ``lr``, ``beta1``, ``beta2``, ``eps``,
+    ``weight_decay`` and ``step``, 0-d CPU tensors (``rules.adamw.AdamWConstants``' first
+    fields). ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default
+    ``default_isa()``). ``weight_correction`` as in ``cpu_rule_step``.
     """
     moments = (exp_avg, exp_avg_sq) if max_exp_avg_sq is None else (exp_avg, exp_avg_sq, max_exp_avg_sq)
-    formats = (exp_avg.format, exp_avg_sq.format, exp_avg_sq.format)[:len(moments)]
-    values = [*scalars, DECOUPLED[bool(decoupled_weight_decay)]]  # lr, beta1, beta2, eps, wd, step
+    # ``AdamWRule.step_constants``' fields: the five values, the step count, the decay's kind.
+    values = (scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay, scalars.step,
+              DECOUPLED[bool(decoupled_weight_decay)])
     cpu_rule_step(param, grad, moments, values, functor="adamw",
-                  options=KernelOptions(maximize, stochastic_round, isa),
-                  weight_correction=weight_correction, formats=formats)
+                  options=KernelOptions(maximize, stochastic_round, isa), weight_correction=weight_correction)

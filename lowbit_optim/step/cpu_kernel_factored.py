@@ -28,24 +28,6 @@ _ROW = operator.attrgetter("row")
 _COL = operator.attrgetter("col")
 
 
-class KernelEntry(NamedTuple):
-    """One factored parameter the kernel steps: its index in the step's gradient list, the
-    parameter, its first moment (a 4-bit ``QuantizedState``) and factored second moment
-    (``FactoredState``), its step count and master weight correction (or None), the buffers
-    its column means' share and its normalised columns go to, and how many rows the whole
-    parameter has (an FSDP2 shard holds some of them)."""
-
-    index: int
-    param: torch.Tensor
-    exp_avg: object
-    exp_avg_sq: object
-    step: torch.Tensor
-    weight_correction: torch.Tensor | None
-    column_means: torch.Tensor
-    col_normalized: torch.Tensor
-    all_rows: int
-
-
 class _UpdateCall(NamedTuple):
     """The parameters one ``cpu_factored_step`` call updates: their first moments share a
     format and block size, and all have a master weight correction or none."""
@@ -60,32 +42,34 @@ class _UpdateCall(NamedTuple):
 
 
 class FactoredKernel:
-    """The kernel's passes over a plan's factored parameters (``entries``), on the instruction
+    """The kernel's passes over a plan's factored parameters (``entries``: ``(index in the
+    step's gradient list, rule_step.RuleEntry)``, the moments a 4-bit ``QuantizedState`` and a
+    ``FactoredState``; per entry, the buffers its column means' share and its normalised columns
+    go to and how many rows the whole parameter has: an FSDP2 shard holds some), on the instruction
     set ``isa`` (a key of ``cpu_kernel.ISAS``; None: ``cpu_kernel.default_isa()``). The
     operators read the parameters, gradients and statistics as flat contiguous tensors of
     ``rows * columns`` elements (the row and column statistics give the shape). The lists hold
     the plan's tensors and state objects, which live as long as the plan
     (``plan.GroupPlan.matches``)."""
 
-    def __init__(self, entries: list[KernelEntry], isa: str | None = None):
+    def __init__(self, entries: list[tuple], column_means: list[torch.Tensor],
+                 col_normalized: list[torch.Tensor], all_rows: list[int], isa: str | None = None):
         self.isa = ISAS[isa or default_isa()]
-        self.indices = [entry.index for entry in entries]
-        self.params = [entry.param.detach() for entry in entries]
-        self.corrections = [entry.weight_correction for entry in entries]
-        self.exp_avg_sqs = [entry.exp_avg_sq for entry in entries]
-        self.column_means = [entry.column_means for entry in entries]
-        self.col_normalized = [entry.col_normalized for entry in entries]
-        self.all_rows = [entry.all_rows for entry in entries]
-        calls: dict[tuple, list[KernelEntry]] = {}
-        for entry in entries:
-            key = (entry.exp_avg.format, entry.exp_avg.block_size, entry.weight_correction is None)
-            calls.setdefault(key, []).append(entry)
+        self.indices = [index for index, _ in entries]
+        self.params = [entry.param.detach() for _, entry in entries]
+        self.corrections = [entry.weight_correction for _, entry in entries]
+        self.exp_avg_sqs = [entry.moments[1] for _, entry in entries]
+        self.column_means, self.col_normalized, self.all_rows = column_means, col_normalized, all_rows
+        calls: dict[tuple, list[int]] = {}
+        exp_avgs = [entry.moments[0] for _, entry in entries]
+        for position, (exp_avg, correction) in enumerate(zip(exp_avgs, self.corrections)):
+            calls.setdefault((exp_avg.format, exp_avg.block_size, correction is None), []).append(position)
         self.update_calls = [
-            _UpdateCall([e.index for e in members], [e.param.detach() for e in members],
-                        [e.exp_avg for e in members], [e.exp_avg_sq for e in members],
-                        [e.col_normalized for e in members], [e.step for e in members],
-                        [] if key[2] else [e.weight_correction for e in members])
-            for key, members in calls.items()
+            _UpdateCall([entries[p][0] for p in positions], [self.params[p] for p in positions],
+                        [exp_avgs[p] for p in positions], [self.exp_avg_sqs[p] for p in positions],
+                        [col_normalized[p] for p in positions], [entries[p][1].step for p in positions],
+                        [] if key[2] else [self.corrections[p] for p in positions])
+            for key, positions in calls.items()
         ]
 
     def statistics(self, grads: list[torch.Tensor], hyper, *, maximize: bool,

@@ -11,7 +11,7 @@ parameter-sized float32 temporary is ever made:
    1e20 gives 1e37) would overflow float32 over a few dozen columns, and the statistics would
    become inf, the parameter NaN.
 2. ``factored_adamw_step``: per chunk of whole quantization blocks, the 4-bit first moment
-   is decoded, updated and re-encoded as in ``quantized_adamw_step``, and each element's
+   is decoded, updated and re-encoded as in ``rule_step.quantized_rule_step``, and each element's
    second moment is ``row[i] * col[j] / mean(col)`` (``state.factored.reconstruct``), found
    from its flat index. The parameter moves by ``math.parameter_update`` with the
    ratio ``exp_avg / denom`` clamped at Adam's own bound (``adam_ratio_bound``): the
@@ -202,17 +202,22 @@ def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
                if fmt == exp_avg_format for function in functions)
 
 
+def _statistics(entry):
+    """A factored entry's second moment (``state.factored.FactoredState``)."""
+    return entry.moments[1]
+
+
 class FactoredParams:
-    """The factored parameters of one ``dispatch.AdamWPlan``, stepped together in place with
+    """The factored parameters of one ``rule_step.RulePlan``, stepped together in place with
     ``"compile"``, ``"eager"`` or the C++ kernel: every parameter's statistics pass first, then, for FSDP2
     shards, one all-reduce of all their column means' shares per set of process groups (each
     rank holds other rows: ``sharding.sum_across_shards``), then every update pass.
 
-    ``entries``: ``(index, ParamStep)`` of this rank's tensors, indices into the plan's
+    ``entries``: ``(index, rule_step.RuleEntry)`` of this rank's tensors, indices into the plan's
     gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
     FSDP2), which say across which ranks the rows are split and how many there are in all.
-    ``kernel``: per entry, whether the C++ CPU kernel takes it (``dispatch.AdamWPlan`` decides,
-    with ``backend="cpu"``): both of its passes then run there (``cpu_kernel_factored``), on
+    ``kernel``: per entry, whether the C++ CPU kernel takes it (``dispatch.factored_kernel_takes``
+    decides, with ``backend="cpu"``): both of its passes then run there (``cpu_kernel_factored``), on
     the instruction set ``kernel_isa``.
     The column means and the normalised columns live in buffers kept from step to step.
     """
@@ -222,15 +227,15 @@ class FactoredParams:
         self.entries = entries
         self.kernel = kernel or [False] * len(entries)
         self.all_rows = [factor_shape(param.shape).rows for param in params]
-        self.normalized_columns = [torch.empty_like(entry.exp_avg_sq.col) for _, entry in entries]
+        self.normalized_columns = [torch.empty_like(_statistics(entry).col) for _, entry in entries]
         buckets: dict[tuple, list[int]] = {}
         for position, ((_, entry), param) in enumerate(zip(entries, params)):
-            key = (sharding.shard_groups(param), entry.exp_avg_sq.col.device)
+            key = (sharding.shard_groups(param), _statistics(entry).col.device)
             buckets.setdefault(key, []).append(position)
         self.column_means: list[torch.Tensor | None] = [None] * len(entries)
         self.reductions = []  # (flat column means, process groups) for sharded parameters
         for (groups, device), positions in buckets.items():
-            lengths = [entries[p].entry.exp_avg_sq.col.numel() for p in positions]
+            lengths = [_statistics(entries[p][1]).col.numel() for p in positions]
             flat = torch.zeros(sum(lengths), device=device)
             for position, view in zip(positions, flat.split(lengths)):
                 self.column_means[position] = view
@@ -238,17 +243,15 @@ class FactoredParams:
                 self.reductions.append((flat, groups))
         self.kernel_passes = None  # the kernel's passes, their argument lists made once
         if any(self.kernel):
-            self.kernel_passes = cpu_kernel_factored.FactoredKernel([
-                cpu_kernel_factored.KernelEntry(
-                    index, entry.param, entry.exp_avg, entry.exp_avg_sq, entry.step, entry.weight_correction,
-                    self.column_means[position], self.normalized_columns[position], self.all_rows[position])
-                for position, (index, entry) in enumerate(entries) if self.kernel[position]
-            ], kernel_isa)
+            taken = [position for position, by_kernel in enumerate(self.kernel) if by_kernel]
+            self.kernel_passes = cpu_kernel_factored.FactoredKernel(
+                [entries[p] for p in taken], [self.column_means[p] for p in taken],
+                [self.normalized_columns[p] for p in taken], [self.all_rows[p] for p in taken], kernel_isa)
 
     def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, *, maximize: bool,
             stochastic_round: bool, decoupled_weight_decay: bool) -> None:
-        """One step of every factored parameter (``hyper``: a ``math.StepScalars``
-        whose ``step`` is ignored: each entry has its own)."""
+        """One step of every factored parameter (``hyper``: the group's ``lr``, ``beta1``,
+        ``beta2``, ``eps`` and ``weight_decay``, 0-d tensors; each entry has its own step)."""
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         kernel = self.kernel
         for position, (index, entry) in enumerate(self.entries):
@@ -262,7 +265,7 @@ class FactoredParams:
             sharding.sum_across_shards(flat, groups)
         others = [position for position, by_kernel in enumerate(kernel) if not by_kernel]
         if others:
-            accumulate_statistics([self.entries[p][1].exp_avg_sq.col for p in others], hyper.beta2,
+            accumulate_statistics([_statistics(self.entries[p][1]).col for p in others], hyper.beta2,
                                   [self.column_means[p] for p in others])
         if any(kernel):
             self._kernel_columns(kernel, hyper)
@@ -272,7 +275,7 @@ class FactoredParams:
         step_scalars = {}
         for position in others:
             index, entry = self.entries[position]
-            normalized_columns(entry.exp_avg_sq.col, out=self.normalized_columns[position])
+            normalized_columns(_statistics(entry).col, out=self.normalized_columns[position])
             count = float(entry.step)
             if count not in step_scalars:
                 step_scalars[count] = (*bias_corrections(hyper.beta1, hyper.beta2, entry.step),
@@ -307,9 +310,9 @@ class FactoredParams:
 
         compiled = backend == "compile"
         correction_dtype = correction_dtype_of(entry.weight_correction)
-        statistics_step = (compiled_functions(entry.exp_avg.format, correction_dtype).statistics if compiled
+        exp_avg, factored = entry.moments
+        statistics_step = (compiled_functions(exp_avg.format, correction_dtype).statistics if compiled
                            else second_moment_means)
-        factored = entry.exp_avg_sq
         rows, columns = factored.row.numel(), factored.col.numel()
         param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
         if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
@@ -336,7 +339,7 @@ class FactoredParams:
         """Pass 2: the first moment and the parameter, a bounded chunk of whole quantization
         blocks at a time (``step_scalars``: the two bias corrections and Adam's bound)."""
 
-        param, grad, exp_avg, factored, _, _, weight_correction = entry
+        param, grad, (exp_avg, factored), _, weight_correction = entry
         compiled = backend == "compile"
         update_step = (compiled_functions(exp_avg.format, correction_dtype_of(weight_correction)).update
                        if compiled else factored_adamw_step)

@@ -105,8 +105,13 @@ def effective_gradient(param, grad, *, weight_decay, maximize: bool, decoupled_w
     # number, makes no tensor from the number in eager mode: tests/test_schedules.py).
     safe_grad = grad.masked_fill(~finite, 0.0)
     if not decoupled_weight_decay:
-        safe_grad = safe_grad + weight_decay * param  # torch.optim.Adam: grad.add(param, alpha=wd)
+        safe_grad = l2_decayed_gradient(param, safe_grad, weight_decay)
     return finite, safe_grad
+
+
+def l2_decayed_gradient(param, grad, weight_decay):
+    # torch.optim.Adam's L2 weight decay: grad.add(param, alpha=weight_decay).
+    return grad + weight_decay * param
 
 
 def first_moment_update(exp_avg, safe_grad, beta1):
@@ -155,6 +160,25 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     """
     finite, safe_grad = effective_gradient(param, grad, weight_decay=weight_decay, maximize=maximize,
                                            decoupled_weight_decay=decoupled_weight_decay)
+    if corrections is None:
+        corrections = bias_corrections(beta1, beta2, step)
+    new_param, new_exp_avg, new_exp_avg_sq, new_max = adam_update_values(
+        param, safe_grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, corrections=corrections, decoupled_weight_decay=decoupled_weight_decay,
+        max_ratio=max_ratio)
+    new_param = torch.where(finite, new_param, param)
+    new_exp_avg = torch.where(finite, new_exp_avg, exp_avg)
+    new_exp_avg_sq = torch.where(finite, new_exp_avg_sq, exp_avg_sq)
+    if new_max is not None:
+        new_max = torch.where(finite, new_max, max_exp_avg_sq)
+    return new_param, new_exp_avg, new_exp_avg_sq, new_max
+
+
+def adam_update_values(param, safe_grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1, beta2, eps,
+                       weight_decay, corrections, decoupled_weight_decay: bool, max_ratio=None):
+    """``adamw_update``'s arithmetic from a finite gradient (``safe_grad``, L2 term included):
+    the new ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq)`` with no element kept. What the
+    AdamW rule's ``update`` is (``rules.adamw``)."""
     # Same operation order as torch.optim.AdamW (lerp, then mul + addcmul, then addcdiv).
     new_exp_avg = first_moment_update(exp_avg, safe_grad, beta1)
     new_exp_avg_sq = exp_avg_sq * beta2 + squared_gradient_term(safe_grad, beta2)
@@ -163,18 +187,9 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *, lr, beta1,
     if max_exp_avg_sq is not None:
         new_max = torch.maximum(max_exp_avg_sq, new_exp_avg_sq)
         second_moment = new_max
-
-    if corrections is None:
-        corrections = bias_corrections(beta1, beta2, step)
     new_param = parameter_update(param, new_exp_avg, second_moment, lr=lr, eps=eps,
                                  weight_decay=weight_decay, corrections=corrections,
                                  decoupled_weight_decay=decoupled_weight_decay, max_ratio=max_ratio)
-
-    new_param = torch.where(finite, new_param, param)
-    new_exp_avg = torch.where(finite, new_exp_avg, exp_avg)
-    new_exp_avg_sq = torch.where(finite, new_exp_avg_sq, exp_avg_sq)
-    if new_max is not None:
-        new_max = torch.where(finite, new_max, max_exp_avg_sq)
     return new_param, new_exp_avg, new_exp_avg_sq, new_max
 
 
@@ -228,6 +243,12 @@ class AdamWKernelConstants(NamedTuple):
 
 # ``adamw_kernel_update``'s variant for torch.optim.Adam's L2 weight decay (0: decoupled).
 ADAMW_L2_DECAY = 1
+
+
+def adamw_kernel_variant(decoupled_weight_decay: bool, weight_decay: float) -> int:
+    """``adamw_kernel_update``'s variant: ``ADAMW_L2_DECAY`` for torch.optim.Adam's weight decay
+    where it adds something (a zero decay steps as AdamW's), else 0."""
+    return ADAMW_L2_DECAY if not decoupled_weight_decay and weight_decay != 0 else 0
 
 
 def adamw_kernel_constants(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -322,3 +343,5 @@ if triton is not None:
             return new_param, (new_exp_avg, new_exp_avg_sq, new_max)
         else:
             return new_param, (new_exp_avg, new_exp_avg_sq)
+else:
+    approx_divide = adamw_kernel_update = None

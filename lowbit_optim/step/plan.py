@@ -6,8 +6,8 @@ parameter of Python (docs/benchmarks.md, "Host cost of the Triton path"). Nearly
 depends on things that stay the same from one step to the next: which parameters the group
 holds, which of them have a gradient, their states, their data pointers, dtypes and shapes,
 the step counts kept equal within a kind. ``GroupPlan`` keeps what was worked out (the
-update rule's plan: ``dispatch.AdamWPlan`` for AdamW with, for the Triton backend, each
-kind's launches and layouts) together with exactly those facts, and ``matches`` compares
+update rule's plan, ``rule_step.RulePlan``, with, for the Triton backend, each kind's
+launches and layouts) together with exactly those facts, and ``matches`` compares
 them with the group as it is now using C-level map/compare over lists (no Python loop per
 parameter), so a stale plan is never used:
 

@@ -9,12 +9,12 @@ whose gradient is NaN or ±inf keeps its parameter and its moments for that step
 parameters are written by rounding (bf16: or stochastic rounding) or through their master weight
 (``master_weights``).
 
-With ``backend="triton"`` the quantized parameters of a rule that supplies a Triton piece
-(``UpdateRule.kernel_update``) go to the step kernel (``step.kernels``, imported only then),
-and with ``backend="cpu"`` those of a rule that names a C++ functor (``UpdateRule.cpu_functor``)
-go to the one-pass CPU kernel (``cpu_kernel``; not float64 parameters, nor blocks above 2048);
-both apply the same policies. Everything else steps through the compiled step, which is also
-the reference on every device.
+Which implementation steps each parameter is ``dispatch.implementation``'s choice: the Triton
+step kernel (``step.kernels``, imported only then) for a rule that supplies a Triton piece
+(``UpdateRule.kernel_update``), the one-pass C++ CPU kernel (``cpu_kernel``) for a rule that
+names a functor (``UpdateRule.cpu_functor``), the two passes of ``factored`` for a factored
+second moment; all apply the same policies. Everything else steps through the compiled step,
+which is also the reference on every device.
 """
 
 import functools
@@ -23,33 +23,29 @@ from typing import NamedTuple
 import torch
 
 from lowbit_optim.formats.catalog import QuantFormat
-from lowbit_optim.state.quantized import QuantizedState
-from lowbit_optim.step import cpu_kernel
+from lowbit_optim.step import cpu_kernel, dispatch
 from lowbit_optim.step.chunks import (
     CompiledVariants,
+    RuleEntry,
     TailScratch,
     call_step,
     correction_dtype_of,
     for_each_block_chunk,
     leading_dims,
 )
+from lowbit_optim.step.factored import FactoredParams
 from lowbit_optim.step.float_state import FloatStateStep, float_state_groups
 from lowbit_optim.step.hyperparams import StepOptions
-from lowbit_optim.step.master_weights import read_master
-from lowbit_optim.step.math import compute_dtype, effective_gradient
-from lowbit_optim.step.quantized import StoredMoment, store_blocks
+from lowbit_optim.step.master_weights import read_master, write_master
+from lowbit_optim.step.math import compute_dtype, effective_gradient, write_param
 
 
-class RuleEntry(NamedTuple):
-    """One parameter's share of a rule's step: the tensors it updates (``moments`` in the
-    rule's order, float tensors or ``QuantizedState``), its step count and a bfloat16 or
-    float16 parameter's master weight correction, if it keeps one."""
+class StoredMoment(NamedTuple):
+    """The tensors a quantized moment is stored in (``QuantizedState.codes``/``.scales``), or
+    a view of some of its blocks: what the compiled step reads and overwrites."""
 
-    param: torch.Tensor
-    grad: torch.Tensor | None
-    moments: tuple
-    step: torch.Tensor
-    weight_correction: torch.Tensor | None = None
+    codes: torch.Tensor
+    scales: torch.Tensor
 
 
 def apply_rule(rule, param, grad, moments: tuple, constants, *, maximize: bool):
@@ -68,11 +64,18 @@ def quantized_rule_step(param, grad, moments: tuple[StoredMoment, ...], constant
     """``apply_rule`` on blocks: decode every moment, update, encode, in place.
 
     ``param`` and ``grad`` are ``(num_blocks, block_size)`` views, ``moments`` the stored
-    tensors of the same rows of each quantized moment, in ``formats``. Each ``split`` slice
-    (the two halves of a 4-bit block, whose codes share bytes) is updated on its own and
-    only the packed bytes combine them, as in ``quantized.quantized_adamw_step``; every
-    format of a rule's optimizer has the same bits, so they split alike.
+    tensors of the same rows of each quantized moment, in ``formats``; ``weight_correction``:
+    the same blocks of a bfloat16 or float16 parameter's master weight correction
+    (``master_weights``), whose master weight is read and written instead of the parameter.
+    Only tensors are taken, so ``torch.compile`` traces it once per rule, formats, flags,
+    parameter dtype and correction dtype, whatever the parameter's shape.
     """
+    # Each ``split`` slice of the blocks (the low and high halves for 4-bit, whose codes share
+    # bytes; the whole block for 8-bit) is decoded, updated and encoded on its own and only
+    # the packed bytes combine them: Inductor then computes both nibbles of a byte in the loop
+    # that writes it instead of materialising unpacked codes and whole-block float buffers.
+    # Every format of a rule's optimizer has the same bits, so they split alike. float64
+    # parameters are updated in float64 (their moments are quantized all the same).
     dtype = compute_dtype(param)
     split = formats[0].split
     decoded = [fmt.decode_parts(*moment) for fmt, moment in zip(formats, moments)]
@@ -92,85 +95,120 @@ def quantized_rule_step(param, grad, moments: tuple[StoredMoment, ...], constant
                  stochastic_round=stochastic_round)
 
 
+def store_blocks(moments: list[tuple], param_parts, new_params, correction_parts, *,
+                 stochastic_round: bool) -> None:
+    """The end of a quantized step, in place: each ``(stored moment, format, new values per
+    slice)`` of ``moments`` encoded into its codes and scales, and each slice's new parameter
+    written (through its master weight correction, ``correction_parts``, if it keeps one)."""
+    for target, fmt, values in moments:
+        codes, scales = fmt.encode_parts(values)
+        target.codes.copy_(codes)
+        target.scales.copy_(scales)
+    # Written slice by slice: a torch.cat here made Inductor materialise its inputs.
+    for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
+        if correction_parts is not None:
+            write_master(param_part, correction_parts[index], new_param)
+        else:
+            write_param(param_part, new_param, stochastic_round=stochastic_round)
+
+
 # One compiled step per rule, formats, flags and correction dtype (``chunks.CompiledVariants``).
 COMPILED_RULE_STEPS = CompiledVariants(quantized_rule_step, "quantized_step")
 
 
 def rule_graph_count(rule, formats: tuple[QuantFormat, ...]) -> int:
-    """How many graphs Dynamo holds for one rule's quantized step in ``formats`` (0 before its
-    first call)."""
-    return COMPILED_RULE_STEPS.graph_count(rule, *formats)
+    """How many graphs Dynamo holds for one rule's quantized step in ``formats`` (and, with
+    amsgrad, one more moment), over the rule's variants (0 before its first call)."""
+    return sum(COMPILED_RULE_STEPS.graph_count(variant, *formats) for variant in rule.variants())
 
 
 class RulePlan:
-    """A rule's step over one param group's parameters, sorted once: quantized ones one by one
-    (compiled unless ``backend="eager"``), float ones together per ``float_state_groups``.
-    ``run`` steps them with the gradients given, one per entry, in order; the plan holds no
-    gradient. Built by ``rules.base.UpdateRule.plan``."""
+    """A rule's step over one param group's parameters, sorted once by the implementation
+    ``dispatch.implementation`` picks for each: the C++ kernel's in batches, the Triton
+    kernel's in kinds, the compiled (or eager) step's one by one, float ones together per
+    ``float_state_groups``, factored ones through ``factored.FactoredParams``. ``run`` steps
+    them with the gradients given, one per entry, in order; the plan holds no gradient.
+    ``params``: the parameters as the optimizer holds them (FSDP2: the factored step reduces
+    over the ranks that hold the other rows). Built by ``rules.base.UpdateRule.plan``."""
 
-    def __init__(self, rule, entries: list[RuleEntry], backend: str):
+    def __init__(self, rule, entries: list[RuleEntry], backend: str,
+                 params: list[torch.Tensor] | None = None):
         self.rule = rule
-        self.compiled = backend != "eager"
-        quantized = [index for index, entry in enumerate(entries)
-                     if isinstance(entry.moments[0], QuantizedState)]
-        # The kernel's: quantized parameters of a rule with a Triton piece (float64 ones have
-        # no kernel variant).
-        self.kernel_indices = [i for i in quantized if backend == "triton" and rule.kernel_update is not None
-                               and entries[i].param.dtype != torch.float64]
+        self.compiled = backend != dispatch.EAGER
+        chosen: dict[str, list[int]] = {}
+        for index, entry in enumerate(entries):
+            kind = dispatch.implementation(rule, entry.moments, entry.param, entry.grad, backend)
+            chosen.setdefault(kind, []).append(index)
+        self.triton_indices = chosen.get(dispatch.TRITON, [])
         self.kernel = None
-        if self.kernel_indices:
+        if self.triton_indices:
             from lowbit_optim.step import kernels  # imports Triton: only when the backend is in use
 
-            self.kernel = kernels.KernelGroupPlan([kernels.KernelEntry(*entries[i])
-                                                   for i in self.kernel_indices])
-            self.kernel_update = kernels.KernelUpdate(rule.kernel_update)
-        # The C++ CPU kernel's (in batches): quantized parameters of a rule with a functor that
-        # the kernel takes.
-        self.cpu_indices = [index for index in quantized
-                            if backend == "cpu" and _cpu_kernel_takes(rule, entries[index])]
-        self.cpu_batches = cpu_kernel.kernel_batches(
-            [cpu_kernel.BatchEntry(index, entries[index].param, entries[index].moments, entries[index].step,
-                                   entries[index].weight_correction) for index in self.cpu_indices],
-            rule.cpu_functor, lambda entry: tuple(moment.format for moment in entry.moments))
+            self.kernel = kernels.KernelGroupPlan([entries[i] for i in self.triton_indices])
+        self.cpu_indices = chosen.get(dispatch.CPU, [])
+        self.cpu_batches = cpu_kernel.kernel_batches([(index, entries[index]) for index in self.cpu_indices],
+                                                     rule.cpu_functor)
         self.isa = cpu_kernel.default_isa() if self.cpu_indices else None
-        taken = {*self.kernel_indices, *self.cpu_indices}
-        self.quantized = [(index, entries[index]._replace(grad=None)) for index in quantized
-                          if index not in taken]
+        self.quantized = [(index, entries[index]._replace(grad=None))
+                          for kind in (dispatch.COMPILE, dispatch.EAGER) for index in chosen.get(kind, [])]
+        self.quantized.sort(key=lambda item: item[0])
         self.float_state = []
-        floats = [(index, entry) for index, entry in enumerate(entries)
-                  if not isinstance(entry.moments[0], QuantizedState)]
+        floats = [(index, entries[index]) for index in chosen.get(dispatch.FLOAT, [])]
         for indices in float_state_groups(floats, moment_count=lambda entry: len(entry.moments)):
             group = [entries[i] for i in indices]
             master = group[0].weight_correction is not None
             self.float_state.append((indices, group[0].step, FloatStateStep(
                 [e.param for e in group], [list(moments) for moments in zip(*(e.moments for e in group))],
                 [e.weight_correction for e in group] if master else None)))
+        factored = chosen.get(dispatch.FACTORED, [])
+        self.factored = None
+        if factored:
+            params = params or [entry.param for entry in entries]
+            by_kernel = [dispatch.factored_kernel_takes(entries[i].moments[0], entries[i].param,
+                                                        entries[i].grad, backend) for i in factored]
+            self.factored = FactoredParams([(i, entries[i]._replace(grad=None)) for i in factored],
+                                           [params[i] for i in factored], by_kernel,
+                                           cpu_kernel.default_isa() if any(by_kernel) else None)
 
     def run(self, grads: list[torch.Tensor], scalars, options: StepOptions, scratch: TailScratch) -> None:
         """One step of every parameter (``scalars``: the group's ``hyperparams.GroupScalars``)."""
-        constants_of = _ConstantsPerStep(self.rule, scalars)
+        rule = self.rule.for_step(options, exact_moments=False)
+        constants_of = _ConstantsPerStep(rule, scalars)
+        if self.factored is not None:
+            self.factored.run(dispatch.COMPILE if self.compiled else dispatch.EAGER, grads, scalars, scratch,
+                              maximize=options.maximize, stochastic_round=options.stochastic_round,
+                              decoupled_weight_decay=options.decoupled_weight_decay)
         kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
         for batch in self.cpu_batches:
             batch.run(grads, constants_of, kernel_options)
         for index, entry in self.quantized:
-            self._quantized(entry._replace(grad=grads[index]), constants_of(entry.step), options, scratch)
-        for indices, step, float_step in self.float_state:
-            update = functools.partial(apply_rule, self.rule, constants=constants_of(step),
-                                       maximize=options.maximize)
-            float_step.step([grads[i] for i in indices], update, stochastic_round=options.stochastic_round)
+            self._quantized(rule, entry._replace(grad=grads[index]), constants_of(entry.step), options,
+                            scratch)
+        if self.float_state:
+            # Float moments are exact: the rule's variant for them (the same constants).
+            float_rule = self.rule.for_step(options, exact_moments=True)
+            for indices, step, float_step in self.float_state:
+                update = functools.partial(apply_rule, float_rule, constants=constants_of(step),
+                                           maximize=options.maximize)
+                float_step.step([grads[i] for i in indices], update,
+                                stochastic_round=options.stochastic_round)
         if self.kernel is not None:
-            self.kernel.run([grads[i] for i in self.kernel_indices],
-                            lambda step: self.rule.kernel_constants(constants_of(step)),
-                            update=self.kernel_update,
+            from lowbit_optim.step import kernels
+
+            self.kernel.run(grads if len(self.triton_indices) == len(grads) else
+                            [grads[i] for i in self.triton_indices],
+                            lambda step: rule.kernel_constants(constants_of(step)),
+                            update=kernels.KernelUpdate(rule.kernel_update, rule.kernel_variant(scalars)),
                             maximize=options.maximize, stochastic_round=options.stochastic_round,
                             rounding_stream=options.rounding_stream)
 
-    def _quantized(self, entry: RuleEntry, constants, options: StepOptions, scratch: TailScratch) -> None:
+    def _quantized(self, rule, entry: RuleEntry, constants, options: StepOptions,
+                   scratch: TailScratch) -> None:
         formats = tuple(moment.format for moment in entry.moments)
-        variant = (self.rule, *formats, options.maximize, options.stochastic_round,
+        variant = (rule, *formats, options.maximize, options.stochastic_round,
                    correction_dtype_of(entry.weight_correction))
         step = COMPILED_RULE_STEPS.get(variant) if self.compiled else quantized_rule_step
-        flags = dict(rule=self.rule, formats=formats, maximize=options.maximize,
+        flags = dict(rule=rule, formats=formats, maximize=options.maximize,
                      stochastic_round=options.stochastic_round)
 
         def update(param_blocks, grad_blocks, block_rows: slice, first_element: int, correction_blocks):
@@ -182,14 +220,6 @@ class RulePlan:
 
         for_each_block_chunk(entry.param, entry.grad, entry.moments[0].block_size, scratch, update,
                              weight_correction=entry.weight_correction)
-
-
-def _cpu_kernel_takes(rule, entry: RuleEntry) -> bool:
-    """Whether the C++ CPU kernel steps this quantized entry: the rule has a functor and the
-    kernel the parameter and formats (``cpu_kernel.supports``)."""
-    formats = tuple(moment.format for moment in entry.moments)
-    return rule.cpu_functor is not None and cpu_kernel.supports(formats, entry.moments[0].block_size,
-                                                                entry.param, entry.grad)
 
 
 class _ConstantsPerStep:

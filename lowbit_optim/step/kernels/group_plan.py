@@ -20,18 +20,6 @@ from lowbit_optim.step.kernels.launcher import KernelUpdate
 from lowbit_optim.step.kernels.plan import KindPlan
 
 
-class KernelEntry(NamedTuple):
-    """One parameter's share of the kernel's step: its moments (``QuantizedState``, in the
-    rule's order), its 0-d step count (already advanced) and a bfloat16 or float16 parameter's
-    master weight correction, if it keeps one (the fields of ``rule_step.RuleEntry``)."""
-
-    param: Tensor
-    grad: Tensor | None
-    moments: tuple
-    step: Tensor
-    weight_correction: Tensor | None = None
-
-
 def host_float(name: str, value: Tensor) -> float:
     """A 0-d CPU hyperparameter as a Python float (no device sync: it never left the CPU)."""
     if value.device.type != "cpu" or value.numel() != 1:
@@ -62,11 +50,11 @@ def kind_seed(step: float, kind_index: int, rounding_stream: int | None) -> int:
 
 
 class KernelGroupPlan:
-    """The kernel's step for a fixed list of ``KernelEntry`` (states, parameters), sorted into
-    kinds once; ``run`` steps them with the gradients given (one per entry, in order, same
-    shapes and dtypes as when planned)."""
+    """The kernel's step for a fixed list of ``rule_step.RuleEntry`` (quantized moments, in the
+    rule's order; the step counts already advanced), sorted into kinds once; ``run`` steps them
+    with the gradients given (one per entry, in order, same shapes and dtypes as when planned)."""
 
-    def __init__(self, entries: list[KernelEntry]):
+    def __init__(self, entries: list):
         kinds: dict[tuple, list[int]] = {}
         steps = torch.stack([entry.step for entry in entries]).tolist() if entries else []
         for index, (entry, step) in enumerate(zip(entries, steps)):

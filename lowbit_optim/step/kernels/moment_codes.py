@@ -3,7 +3,7 @@ requantize updated values (per block ``scale = max |x|`` over the block's finite
 ``code = nearest(x * (1 / scale))``) with their codes and scales written back.
 
 A block's scale is its maximum, which is exact, so the scales are the reference's
-(``lowbit_optim.step.quantized``) bit for bit wherever the moments are. Two places trade
+(``lowbit_optim.step.rule_step``) bit for bit wherever the moments are. Two places trade
 IEEE-exact forms for cheap ones (with AdamW's update the IEEE forms cost ~45 SASS instructions
 per element, measured with benchmarks/kernel_stats.py), with these bounds (``RN`` is float32
 round-to-nearest):

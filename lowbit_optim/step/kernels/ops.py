@@ -1,4 +1,6 @@
-"""The torch-facing side of the Triton kernel for AdamW: a ``torch.library`` op and the group step.
+"""The torch-facing side of the Triton kernel for the AdamW rule: a ``torch.library`` op and the
+group step, both built on the rule (``rules.adamw``: its piece and constants) and the generic
+``group_plan.KernelGroupPlan``.
 
 ``torch.ops.lowbit_optim.adamw_lowbit_step`` updates lists of parameters and their quantized
 moments in place with one kernel launch. Being a library op with a fake implementation, it
@@ -9,25 +11,18 @@ host with ``.item()`` (no device sync: they never left the CPU) and passed to th
 runtime scalars, so a schedule neither recompiles anything nor copies anything to the device.
 
 ``step_group`` steps the quantized parameters of a param group: it sorts them into kinds
-(``group_plan.KernelGroupPlan``) and makes one launch per kind. ``StepGroupPlan`` is the same
-with the sorting, the launches' split and their layouts worked out once: what
-``LowBitAdamW`` keeps between steps (``lowbit_optim.step.plan``).
+(``group_plan.KernelGroupPlan``, what an optimizer keeps between steps through
+``rule_step.RulePlan``) and makes one launch per kind.
 """
 
 import torch
 from torch import Tensor
 
 from lowbit_optim.formats.catalog import get_format
-from lowbit_optim.step.chunks import ParamStep
-from lowbit_optim.step.hyperparams import StepOptions
+from lowbit_optim.step.chunks import RuleEntry
 from lowbit_optim.step.kernels import launcher
-from lowbit_optim.step.kernels.group_plan import (
-    KernelEntry,
-    KernelGroupPlan,
-    host_float,
-    kind_seed,
-)
-from lowbit_optim.step.math import ADAMW_L2_DECAY, StepScalars, adamw_kernel_constants, adamw_kernel_update
+from lowbit_optim.step.kernels.group_plan import KernelGroupPlan, host_float, kind_seed
+from lowbit_optim.step.math import adamw_kernel_constants, adamw_kernel_update, adamw_kernel_variant
 
 # The op's schema (torch.library.custom_op refuses keyword-only tensors, so it is defined from
 # its schema). Each moment list holds every parameter's codes and scales in turn:
@@ -44,10 +39,16 @@ _LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
 _LIBRARY.define(_SCHEMA)
 
 
-def adamw_update(decoupled_weight_decay: bool, weight_decay: float) -> launcher.KernelUpdate:
-    """AdamW's piece for the kernel; torch.optim.Adam's L2 weight decay is its variant."""
-    l2 = not decoupled_weight_decay and weight_decay != 0
-    return launcher.KernelUpdate(adamw_kernel_update, ADAMW_L2_DECAY if l2 else 0)
+def _adamw_piece(decoupled_weight_decay: bool, values: list[float]) -> tuple:
+    """The AdamW rule's piece for the kernel (torch.optim.Adam's L2 weight decay is its
+    variant) and its constants at step count ``step`` from the group's ``values`` (``lr``,
+    the betas, ``eps``, ``weight_decay``: ``rules.adamw.AdamWRule.kernel_constants``' arithmetic)."""
+    variant = adamw_kernel_variant(decoupled_weight_decay, values[4])
+
+    def constants(step: float):
+        return adamw_kernel_constants(*values, step, l2_decay=bool(variant))
+
+    return launcher.KernelUpdate(adamw_kernel_update, variant), constants
 
 
 def stored_tensors(states) -> list[Tensor]:
@@ -99,9 +100,9 @@ def adamw_lowbit_step(
         seed = int(torch.randint(2**31 - 1, ()))
     elif not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2**31) (got {seed})")
-    update = adamw_update(decoupled_weight_decay, values[4])
+    update, constants = _adamw_piece(decoupled_weight_decay, values[:5])
     launcher.launch(
-        params, grads, pairs, adamw_kernel_constants(*values, l2_decay=bool(update.variant)),
+        params, grads, pairs, constants(values[5]),
         update=update, formats=formats, block_size=block_size, maximize=maximize,
         stochastic_round=stochastic_round, seed=seed, weight_corrections=weight_corrections or None,
     )
@@ -126,39 +127,12 @@ def _check_state(param, codes_and_scales, block_size, formats) -> None:
             raise ValueError(f"state on {codes.device} does not match parameter on {param.device}")
 
 
-def _kernel_entry(entry: ParamStep) -> KernelEntry:
-    maximum = () if entry.max_exp_avg_sq is None else (entry.max_exp_avg_sq,)
-    moments = (entry.exp_avg, entry.exp_avg_sq) + maximum
-    return KernelEntry(entry.param, entry.grad, moments, entry.step, entry.weight_correction)
-
-
-class StepGroupPlan(KernelGroupPlan):
-    """``step_group`` for a fixed list of parameters and states, sorted into kinds once.
-
-    Built from entries as ``step_group`` takes them; ``run`` steps them with the gradients
-    given (one per entry, in order, same shapes and dtypes as when planned). The optimizer
-    keeps one per param group while its parameters, states and step counts stay as they were
-    (``lowbit_optim.step.plan``).
-    """
-
-    def __init__(self, entries: list[tuple]):
-        super().__init__([_kernel_entry(ParamStep(*entry)) for entry in entries])
-
-    def run(self, grads: list[Tensor], hyper, options: StepOptions) -> None:
-        """``step_group``'s step with these gradients: ``hyper`` the group's hyperparameters
-        (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``: 0-d tensors or numbers, as
-        ``hyperparams.GroupScalars`` holds them), ``options`` its flags."""
-        values = [host_float(name, getattr(hyper, name)) for name in _HYPERPARAMETERS]
-        update = adamw_update(options.decoupled_weight_decay, values[4])
-
-        def constants_of(step: Tensor):
-            return adamw_kernel_constants(*values, host_float("step", step), l2_decay=bool(update.variant))
-
-        super().run(grads, constants_of, update=update, maximize=options.maximize,
-                    stochastic_round=options.stochastic_round, rounding_stream=options.rounding_stream)
-
-
-_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+def _rule_entry(entry: tuple) -> RuleEntry:
+    """``step_group``'s ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step[,
+    weight_correction])`` as the record every implementation reads."""
+    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *correction = entry
+    maximum = () if max_exp_avg_sq is None else (max_exp_avg_sq,)
+    return RuleEntry(param, grad, (exp_avg, exp_avg_sq, *maximum), step, *correction)
 
 
 def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
@@ -169,7 +143,7 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
     ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
     ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced),
     and optionally a bfloat16 or float16 parameter's master weight correction
-    (``chunks.ParamStep``).
+    (``rule_step.RuleEntry``'s fields, the moments spelled out).
     Kinds: formats, block size, parameter and gradient dtype, device, step count, amsgrad,
     correction dtype.
     ``rounding_stream`` (bfloat16 stochastic rounding): when given, each kind's noise seed is
@@ -178,32 +152,35 @@ def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, e
     resumed run draws the same noise and torch's random stream is never touched. ``None``:
     drawn from torch's CPU generator.
 
-    Eager (the optimizer's step is a graph break) this plans and runs a ``StepGroupPlan``;
+    Eager (the optimizer's step is a graph break) this plans and runs a ``KernelGroupPlan``;
     under ``torch.compile`` each kind is one call of the op, which the compiler sees.
     """
     if not entries:
         return
-    entries = [ParamStep(*entry) for entry in entries]
+    entries = [*map(_rule_entry, entries)]
+    plan = KernelGroupPlan(entries)
+    if not torch.compiler.is_compiling():
+        names, given = ("lr", "beta1", "beta2", "eps", "weight_decay"), (lr, beta1, beta2, eps, weight_decay)
+        values = [host_float(name, value) for name, value in zip(names, given)]
+        update, constants = _adamw_piece(decoupled_weight_decay, values)
+        plan.run([e.grad for e in entries], lambda step: constants(host_float("step", step)), update=update,
+                 maximize=maximize, stochastic_round=stochastic_round, rounding_stream=rounding_stream)
+        return
     options = dict(maximize=maximize, stochastic_round=stochastic_round,
                    decoupled_weight_decay=decoupled_weight_decay)
-    plan = StepGroupPlan(entries)
-    if not torch.compiler.is_compiling():
-        plan.run([e.grad for e in entries], StepScalars(lr, beta1, beta2, eps, weight_decay, None),
-                 StepOptions(**options, rounding_stream=rounding_stream))
-        return
     for index, kind in enumerate(plan.kinds):
         kind_entries = entries if kind.indices is None else [entries[i] for i in kind.indices]
         seed = None if rounding_stream is None else kind_seed(float(kind.step), index, rounding_stream)
         for tensor, work in kind.copies:
             work.copy_(tensor)
-        maxima = [] if kind_entries[0].max_exp_avg_sq is None else [e.max_exp_avg_sq for e in kind_entries]
+        moments = [[entry.moments[position] for entry in kind_entries] for position in range(3)
+                   if position < len(kind_entries[0].moments)]
         torch.ops.lowbit_optim.adamw_lowbit_step(
-            kind.work, [e.grad.contiguous() for e in kind_entries],
-            stored_tensors(e.exp_avg for e in kind_entries),
-            stored_tensors(e.exp_avg_sq for e in kind_entries), stored_tensors(maxima),
+            kind.work, [e.grad.contiguous() for e in kind_entries], stored_tensors(moments[0]),
+            stored_tensors(moments[1]), stored_tensors(moments[2]) if len(moments) == 3 else [],
             kind.corrections or [],
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=kind.step,
-            exp_avg_format=kind_entries[0].exp_avg.format_name,
-            exp_avg_sq_format=kind_entries[0].exp_avg_sq.format_name, seed=seed, **options)
+            exp_avg_format=moments[0][0].format_name, exp_avg_sq_format=moments[1][0].format_name,
+            seed=seed, **options)
         for tensor, work in kind.copies:
             tensor.copy_(work)

@@ -21,8 +21,7 @@ kernel's, not the rule's: maximize, the non-finite gradient policy, master weigh
 ``MASTER_WEIGHT_BITS`` variants: ``p`` is the float32 master weight read from the bfloat16 or
 float16 parameter and its correction, and ``p'`` is split back into both, exactly as
 ``lowbit_optim.step.master_weights`` reads and splits) and bfloat16 stochastic rounding. The
-oracle is the compiled step (``step.quantized.quantized_adamw_step`` for AdamW,
-``step.rule_step.quantized_rule_step`` for the others; tests/test_triton.py,
+oracle is the compiled step (``step.rule_step.quantized_rule_step``; tests/test_triton.py,
 tests/test_triton_rules.py). Multiply-add contraction is off (``enable_fp_fusion=False``), so a
 rule piece that writes its moments operation for operation as its specification gets the
 reference's block scales bit for bit; the bounds of the encoders are in ``moment_codes``, each

@@ -1,20 +1,46 @@
 """The AdamW rule (and torch.optim.Adam's, with ``decoupled_weight_decay=False``): two
 moments, ``exp_avg`` (signed) and ``exp_avg_sq``, plus ``max_exp_avg_sq`` with amsgrad.
 
-Its math is ``step.math`` (``adamw_update``, the specification), and it has kernels of its
-own, so its ``plan`` is ``dispatch.AdamWPlan`` (compiled and eager steps, the Triton kernels,
-the C++ CPU kernel, the factored second moment) rather than the generic rule step.
+Its math is ``step.math``'s (``adam_update_values``; ``adamw_update`` with the shared policies
+is the specification), its Triton piece ``math.adamw_kernel_update`` and its C++ functor
+``csrc/rules/adamw.h``. Two things of the param group are rule data, as variants of the rule
+(``AdamWRule.for_step``): the weight decay's kind (decoupled, or torch.optim.Adam's L2 term)
+and the ratio clamp at Adam's own bound (``math.adam_ratio_bound``), which quantized moments
+need and float moments, exact arithmetic like ``torch.optim.AdamW``'s, do not take.
 ``adamw`` is its functional entry point, in ``torch.optim.adamw.adamw``'s shape.
 """
 
+from typing import NamedTuple
+
 import torch
 
-from lowbit_optim.step.chunks import ParamStep
-from lowbit_optim.step.dispatch import AdamWPlan
+from lowbit_optim.step.cpu_kernel import DECOUPLED
 from lowbit_optim.step.functional import StepCache, step_params
 from lowbit_optim.step.hyperparams import StepOptions, check_hyperparameters
-from lowbit_optim.step.rule_step import RuleEntry
+from lowbit_optim.step.math import (
+    _step_constants_op,
+    adam_ratio_bound,
+    adam_update_values,
+    adamw_kernel_constants,
+    adamw_kernel_update,
+    adamw_kernel_variant,
+    bias_corrections,
+    l2_decayed_gradient,
+)
 from lowbit_optim.step.rules.base import MomentSpec, UpdateRule
+
+
+class AdamWConstants(NamedTuple):
+    """What ``AdamWRule.update`` reads at one step count, 0-d CPU tensors. The C++ functor
+    (``csrc/rules/adamw.h``) reads these fields in this order."""
+
+    lr: torch.Tensor
+    beta1: torch.Tensor
+    beta2: torch.Tensor
+    eps: torch.Tensor
+    weight_decay: torch.Tensor
+    step: torch.Tensor
+    decoupled: torch.Tensor  # float64 1 (decoupled weight decay) or 0 (L2): the functor's switch
 
 
 class AdamWRule(UpdateRule):
@@ -22,7 +48,21 @@ class AdamWRule(UpdateRule):
     moments = (MomentSpec("exp_avg", signed=True), MomentSpec("exp_avg_sq", signed=False, factorable=True),
                MomentSpec("max_exp_avg_sq", signed=False, amsgrad_only=True))
     scalar_names = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    kernel_update = adamw_kernel_update
     cpu_functor = "adamw"  # step/csrc/rules/adamw.h
+
+    def __init__(self, decoupled_weight_decay: bool = True, bounded: bool = True):
+        self.decoupled_weight_decay = decoupled_weight_decay
+        self.bounded = bounded
+
+    def variants(self) -> tuple[UpdateRule, ...]:
+        return tuple(_VARIANTS.values())
+
+    def for_decay(self, decoupled_weight_decay: bool, bounded: bool = True) -> "AdamWRule":
+        return _VARIANTS[bool(decoupled_weight_decay), bounded]
+
+    def for_step(self, options: StepOptions, *, exact_moments: bool) -> "AdamWRule":
+        return self.for_decay(options.decoupled_weight_decay, bounded=not exact_moments)
 
     def check_hyperparameters(self, group: dict) -> None:
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -41,16 +81,51 @@ class AdamWRule(UpdateRule):
     def step(self, params, grads, states, **keywords) -> None:
         adamw(params, grads, states, **keywords)
 
-    def plan(self, entries: list[RuleEntry], backend: str, params: list[torch.Tensor]) -> AdamWPlan:
-        steps = []
-        for entry in entries:
-            exp_avg, exp_avg_sq, *maximum = entry.moments
-            steps.append(ParamStep(entry.param, entry.grad, exp_avg, exp_avg_sq,
-                                   maximum[0] if maximum else None, entry.step, entry.weight_correction))
-        return AdamWPlan(steps, backend, params)
+    def step_constants(self, scalars, step: torch.Tensor) -> AdamWConstants:
+        return AdamWConstants(scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
+                              step, DECOUPLED[self.decoupled_weight_decay])
+
+    def update(self, param, grad, moments: tuple, constants: AdamWConstants):
+        lr, beta1, beta2, eps, weight_decay, step, _ = constants
+        if not self.decoupled_weight_decay:
+            grad = l2_decayed_gradient(param, grad, weight_decay)
+        exp_avg, exp_avg_sq, *maximum = moments
+        max_ratio = None
+        if not self.bounded:
+            corrections = bias_corrections(beta1, beta2, step)
+        elif param.device.type == "cpu":
+            # Once per call, outside the loops (``math._step_constants_op``). Elsewhere inline:
+            # the op's 0-d results are CPU tensors made inside the graph, and whether Inductor
+            # passes those to a GPU kernel as it passes 0-d CPU graph inputs was not checked.
+            *corrections, max_ratio = _step_constants_op(beta1, beta2, step)
+        else:
+            corrections = bias_corrections(beta1, beta2, step)
+            max_ratio = adam_ratio_bound(beta1, beta2, step)
+        new_param, new_exp_avg, new_exp_avg_sq, new_max = adam_update_values(
+            param, grad, exp_avg, exp_avg_sq, maximum[0] if maximum else None, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, corrections=corrections,
+            decoupled_weight_decay=self.decoupled_weight_decay, max_ratio=max_ratio)
+        return new_param, (new_exp_avg, new_exp_avg_sq) + ((new_max,) if maximum else ())
+
+    def kernel_variant(self, scalars) -> int:
+        return adamw_kernel_variant(self.decoupled_weight_decay, float(scalars.weight_decay))
+
+    def kernel_constants(self, constants: AdamWConstants):
+        lr, beta1, beta2, eps, weight_decay, step = (float(value) for value in constants[:6])
+        return adamw_kernel_constants(
+            lr, beta1, beta2, eps, weight_decay, step,
+            l2_decay=bool(adamw_kernel_variant(self.decoupled_weight_decay, weight_decay)))
+
+    def __repr__(self) -> str:
+        decay = "decoupled" if self.decoupled_weight_decay else "L2"
+        return f"<update rule {self.name} ({decay} weight decay{', bounded' if self.bounded else ''})>"
 
 
-ADAMW = AdamWRule()
+# Every variant, by (decoupled weight decay, bounded): each is its own singleton, so the
+# compiled step is cached per variant.
+_VARIANTS = {(decoupled, bounded): AdamWRule(decoupled, bounded)
+             for decoupled in (True, False) for bounded in (True, False)}
+ADAMW = _VARIANTS[True, True]
 
 
 def adamw(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], *, lr, beta1, beta2,

@@ -23,8 +23,8 @@ moments (``kernel_update``, a ``@triton.jit`` function defined where Triton is i
 the per-step constants that piece reads (``kernel_constants``); the kernel applies the shared
 policies (``step.kernels.step_kernel``). For the C++ CPU kernel the piece is a functor, named
 in ``cpu_functor`` (``step/csrc/rules/<name>.h``, reading ``step_constants``' fields; the
-kernel applies the shared policies, ``step/csrc/cpu_step_kernel.h``). AdamW, with kernels of
-its own plans (Triton, C++), overrides ``plan``.
+kernel applies the shared policies, ``step/csrc/cpu_step_kernel.h``). Which implementation
+steps each parameter is ``step.dispatch.implementation``'s choice, for every rule alike.
 """
 
 from typing import NamedTuple
@@ -101,11 +101,26 @@ class UpdateRule:
         unpacks them) from ``step_constants``' 0-d tensors."""
         raise NotImplementedError
 
+    def for_step(self, options, *, exact_moments: bool) -> "UpdateRule":
+        """The rule as a step with ``options`` (``hyperparams.StepOptions``) applies it to
+        quantized (``exact_moments=False``) or float moments: itself, or a variant of it that
+        takes the same ``step_constants`` (AdamW: torch.optim.Adam's L2 decay, the ratio clamp
+        that only quantized moments need). Compiled steps are cached per variant."""
+        return self
+
+    def variants(self) -> tuple["UpdateRule", ...]:
+        """Every rule ``for_step`` can return."""
+        return (self,)
+
+    def kernel_variant(self, scalars) -> int:
+        """``kernel_update``'s compile-time switch for the group's ``scalars`` (0: none)."""
+        return 0
+
     def plan(self, entries: list[RuleEntry], backend: str, params: list[torch.Tensor]):
         """The step of one param group's ``entries`` (this rank's tensors; ``params``: the
         parameters as the optimizer holds them), with a ``run(grads, scalars, options,
         scratch)`` method."""
-        return RulePlan(self, entries, backend)
+        return RulePlan(self, entries, backend, params)
 
     def __repr__(self) -> str:
         return f"<update rule {self.name}>"
