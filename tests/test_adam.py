@@ -29,6 +29,9 @@ def test_adam_classes_follow_torch_adam(cls, backend):
     assert relative_rmse(weight - initial, adamw - initial) > 2 * from_adam, "not AdamW's decay"
 
 
+# Its own compiled float-state graph: slow tier (tests/test_tiny_gradients.py checks Adam's float
+# state against torch's in the fast tier).
+@pytest.mark.slow
 def test_adam_float_state_matches_torch_adam_to_rounding():
     _, weight, bias, _ = train(lambda p, **kw: Adam8bit(p, min_quant_size=10**9, **kw), STEPS,
                                weight_decay=WEIGHT_DECAY)

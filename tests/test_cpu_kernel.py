@@ -393,6 +393,7 @@ def test_without_a_compiler_the_compiled_step_serves(kernel, monkeypatch):
     assert AdamW8bit([torch.nn.Parameter(torch.zeros(5000))]).backend == "compile"
 
 
+@pytest.mark.slow  # compiles the float64 graphs (~10 s on 2 cores)
 def test_float64_parameters_take_the_compiled_step(kernel):
     from lowbit_optim import AdamW8bit
 

@@ -24,7 +24,7 @@ is compared in tests/test_distributed.py (a 1-thread worker's compiled steps, re
 
 import pytest
 import torch
-from conftest import num_threads
+from conftest import num_threads, slow_except
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, FactoredState, QuantizedState
 
@@ -57,8 +57,8 @@ def run(cls, backend: str, threads: int) -> list[torch.Tensor]:
     return results
 
 
-@pytest.mark.sweep
-@pytest.mark.parametrize("backend", ["eager", "compile"])
+# The compiled cases compile a graph per thread count (Inductor bakes it in): slow tier.
+@pytest.mark.parametrize("backend", slow_except(["eager", "compile"], "eager"))
 @pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit, AdamWFactored4bit], ids=lambda c: c.__name__)
 def test_step_is_bit_identical_at_one_and_three_threads(cls, backend):
     if backend == "compile":

@@ -32,6 +32,7 @@ from lowbit_optim.bench.report import (
     table_columns,
 )
 from lowbit_optim.bench.train import TrainConfig, TrainingRun
+from lowbit_optim.step import cpu_kernel
 
 DEFAULT_OPTIMIZERS = ("torch_adamw", "lowbit_8bit", "lowbit_4bit")
 # ``--optimizers all``: the default set, our float8 optimizer and every peer that is
@@ -199,7 +200,6 @@ def prepare_cpu_kernel(names: list[str], device: torch.device) -> dict | None:
     seconds the first time on a machine) lands in no row's first step; what it took."""
     if device.type != "cpu" or not any(name.startswith("lowbit_") for name in names):
         return None
-    from lowbit_optim.step import cpu_kernel
 
     built = not cpu_kernel.library_path().is_file()
     start = time.perf_counter()

@@ -76,9 +76,9 @@ class ReferenceMuon(torch.optim.Optimizer):
     """``torch.optim.Muon``'s arguments and defaults, its state key ``momentum_buffer`` (here
     the codec's state), and a ``codec`` that stores the momentum."""
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+    def __init__(self, params, lr: float = 1e-3, *, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *,
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
                  codec=None):
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
