@@ -97,10 +97,10 @@ RESUME_CASES = [
 ]
 
 
-# Each compiled case compiles its class's graphs: one of them (AdamWFp8's) in the fast tier.
+# Each compiled case compiles its class's graphs (~10-20 s on 2 cores): slow tier.
 @pytest.mark.parametrize("cls, dtype, backend, stochastic_round", [
     pytest.param(c, d, b, sr, id=f"{c.__name__}-{str(d)[6:]}-{b}{'-sr' if sr else ''}",
-                 marks=[pytest.mark.slow] if b == "compile" and c is not AdamWFp8 else [])
+                 marks=[pytest.mark.slow] if b == "compile" else [])
     for c, d, b, sr in RESUME_CASES
 ])
 def test_resume_is_bit_identical_to_an_uninterrupted_run(cls, dtype, backend, stochastic_round):

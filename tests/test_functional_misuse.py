@@ -36,11 +36,19 @@ OTHER_RULE = {"adamw": (Lion8bit, r"has no exp_avg_sq"),
               "ademamix": (AdamW8bit, r"has no exp_avg_slow")}
 
 
+@pytest.fixture
+def backend_of(request):
+    """The backend named, with the Triton interpreter on for ``"triton"``."""
+    def setup(name):
+        if name == "triton":
+            request.getfixturevalue("interpreter")
+        return name
+    return setup
+
+
 @pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "triton":
-        request.getfixturevalue("interpreter")
-    return request.param
+def backend(request, backend_of):
+    return backend_of(request.param)
 
 
 @pytest.fixture(params=list(RULES))
@@ -196,8 +204,13 @@ def test_new_state_with_amsgrad_is_refused_by_classes_without_amsgrad(cls):
     assert "max_exp_avg_sq" in AdamW8bit.new_state(torch.randn(64, 80), amsgrad=True)  # the control
 
 
-def test_a_correct_call_steps_as_the_optimizer_does_bit_for_bit(rule, backend):
+# Lion's and AdEMAMix's compiled graphs cost ~15 s each on 2 cores: slow tier.
+@pytest.mark.parametrize("rule, backend_name", [
+    pytest.param(rule, backend, marks=[pytest.mark.slow] if backend == "compile" and rule != "adamw" else [])
+    for rule in RULES for backend in BACKENDS])
+def test_a_correct_call_steps_as_the_optimizer_does_bit_for_bit(rule, backend_name, backend_of):
     """The control of the refusals above: well-formed lists step exactly as the class does."""
+    backend = backend_of(backend_name)
     cls, function, hyper, params, _, states = make_case(rule)
     group = {key: value for key, value in hyper.items() if not key.startswith("beta")}
     group["betas"] = tuple(value for key, value in hyper.items() if key.startswith("beta"))

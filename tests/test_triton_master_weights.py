@@ -251,10 +251,12 @@ def change_rmse(actual, expected, start):
 @pytest.mark.usefixtures("interpreter")
 # Each case compiles a graph of its own: AdamW4bit's bfloat16 one (which the checkpoint test
 # below compiles too) in the fast tier.
+# Each case compiles the master-weight graphs of its class and dtype (~25 s on 2 cores): slow tier;
+# the kernel's master weights are checked against the float32 step split in the fast tier above.
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_class, dtype", [
-    pytest.param(AdamW8bit, torch.bfloat16, marks=pytest.mark.slow), (AdamW4bit, torch.bfloat16),
-    pytest.param(AdamWFp8, torch.bfloat16, marks=pytest.mark.slow),
-    pytest.param(AdamW4bit, torch.float16, marks=pytest.mark.slow),
+    (AdamW8bit, torch.bfloat16), (AdamW4bit, torch.bfloat16),
+    (AdamWFp8, torch.bfloat16), (AdamW4bit, torch.float16),
 ], ids=lambda value: getattr(value, "__name__", str(value)))
 def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class, dtype):
     """``STEPS`` steps, kernel against compiled step, float32 parameters (the bound's
