@@ -41,6 +41,20 @@ def pytest_configure(config):
             os.environ["TRITON_INTERPRET"] = saved
 
 
+# Every backend, for behaviour decided in Python before the step dispatches (checks, refusals,
+# conversions): the same on each, so the compiled step's runs, which compile new graphs, are in
+# the slow tier. A test module that needs another set defines its own ``backend`` fixture.
+BACKENDS = ["cpu", pytest.param("compile", marks=pytest.mark.slow), "eager", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """A backend name; ``"triton"`` runs under the interpreter."""
+    if request.param == "triton":
+        request.getfixturevalue("interpreter")
+    return request.param
+
+
 @pytest.fixture
 def interpreter(monkeypatch):
     """CPU tensors through the interpreted kernel; ``backend="triton"`` accepted on CPU."""

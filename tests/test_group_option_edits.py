@@ -13,18 +13,6 @@ from helpers import assert_same_state
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, Lion8bit, master_weights_state_dict
 from lowbit_optim.step.master_weights import CORRECTION_KEY
 
-# What these tests check happens in Python before the step dispatches, the same for every
-# backend; the compiled step's new graphs (other block sizes, amsgrad, float16) cost minutes
-# on a loaded 2-core machine, so its runs are in the slow tier.
-BACKENDS = ["cpu", pytest.param("compile", marks=pytest.mark.slow), "eager", "triton"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "triton":
-        request.getfixturevalue("interpreter")
-    return request.param
-
 
 def make(optimizer_class, backend, *, dtype=torch.float32, seed=0, **options):
     """A quantized weight (64 x 64) and a float-state bias, and their optimizer."""

@@ -15,20 +15,10 @@ import lowbit_optim
 from lowbit_optim import AdamW8bit, master_weights_state_dict
 from lowbit_optim.step.master_weights import CORRECTION_KEY
 
-# What these tests check happens in Python before the step dispatches, the same for every
-# backend; the compiled step's new graphs (other block sizes, amsgrad, float16) cost minutes
-# on a loaded 2-core machine, so its runs are in the slow tier.
-BACKENDS = ["cpu", pytest.param("compile", marks=pytest.mark.slow), "eager", "triton"]
 # float16 master weights are float32 bit for bit from this magnitude up (24 bits: a bfloat16
 # 24-bit master weight's 16 significant bits fit float16's 24-bit encoding from there too).
 FLOAT16_EXACT_FROM = 2.0**-15
 
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "triton":
-        request.getfixturevalue("interpreter")
-    return request.param
 
 
 def make(dtype, bits, backend, *, seed=0):

@@ -10,15 +10,6 @@ from helpers import assert_same_state
 
 from lowbit_optim import AdamW8bit, AdEMAMix4bit, Lion8bit
 
-BACKENDS = ["cpu", pytest.param("compile", marks=pytest.mark.slow), "eager", "triton"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "triton":
-        request.getfixturevalue("interpreter")
-    return request.param
-
 
 def trained(optimizer_class, backend, *, dtype=torch.float32, steps=2, **options):
     torch.manual_seed(0)
