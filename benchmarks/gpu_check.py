@@ -65,7 +65,7 @@ def checks(scratch: pathlib.Path, steps_114m: int) -> list[Check]:
     if shutil.which("ncu"):
         found.append(Check(
             "ncu", "one kernel launch under Nsight Compute: instructions, occupancy, sectors/request",
-            ["ncu", "--kernel-name", "regex:adamw", "--launch-skip", "2", "--launch-count", "1",
+            ["ncu", "--kernel-name", "regex:lowbit_step_kernel", "--launch-skip", "2", "--launch-count", "1",
              "--metrics", "smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,"
              "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
              python, bench_step, "--preset", "embedding", "--steps", "1", "--only", "lowbit_triton_4bit"],

@@ -1,6 +1,7 @@
-"""The Triton kernel against its reference, shared by tests/test_triton.py (interpreter on
-CPU), tests/test_cuda.py (a real GPU) and tests/test_step_plan.py: cases, one step of each,
-and the bounds they are compared with. ``lowbit_optim.step.kernels`` is imported by
+"""The Triton kernel against its reference, shared by the tests/test_triton*.py files
+(interpreter on CPU) and tests/test_cuda.py (a real GPU): cases, one step of each through the
+torch op (``kernel_step``) or a param group's plan (``plan_step``), and the bounds they are
+compared with. ``lowbit_optim.step.kernels`` is imported by
 ``conftest.pytest_configure``, under the interpreter when there is no GPU.
 
 Tolerances (derived in the docstrings of ``lowbit_optim/step/kernels/moment_codes.py`` and of
@@ -25,12 +26,14 @@ from conftest import assert_close_verbose
 
 from lowbit_optim.formats.catalog import get_format
 from lowbit_optim.state import QuantizedState
+from lowbit_optim.step.chunks import RuleEntry, TailScratch
+from lowbit_optim.step.hyperparams import StepOptions
 from lowbit_optim.step.math import StepScalars
-from lowbit_optim.step.rule_step import StoredMoment, quantized_rule_step
+from lowbit_optim.step.rule_step import RulePlan, StoredMoment, quantized_rule_step
 from lowbit_optim.step.rules.adamw import ADAMW
 
 pytest.importorskip("triton")
-from lowbit_optim.step import kernels  # noqa: E402  (needs Triton)
+from lowbit_optim.step.kernels import ops  # noqa: E402  (needs Triton; registers the op)
 
 KINDS = {
     "8bit": (get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero"), 256),
@@ -57,9 +60,11 @@ def hyper_tensors(lr, betas, weight_decay, step, eps=1e-8):
             torch.tensor(weight_decay, dtype=double), torch.tensor(float(step)))
 
 
-def hyper_keywords(hyper) -> dict:
-    """``hyper_tensors``' values as the op's keyword arguments."""
-    return dict(zip(("lr", "beta1", "beta2", "eps", "weight_decay", "step"), hyper))
+def op_keywords(hyper, formats, *, decoupled_weight_decay=True) -> dict:
+    """``hyper_tensors``' values and the moments' ``formats`` as the op's keyword arguments for
+    the AdamW rule (``"adam"``: torch.optim.Adam's L2 weight decay)."""
+    return dict(rule="adamw" if decoupled_weight_decay else "adam", scalars=list(hyper[:5]), step=hyper[5],
+                formats=[fmt if isinstance(fmt, str) else fmt.name for fmt in formats])
 
 
 def make_case(numel, kind, dtype, amsgrad=False):
@@ -104,15 +109,26 @@ def reference_step(param, grad, states, hyper, *, maximize=False, decoupled_weig
         correction.copy_(correction_blocks.view(-1)[: param.numel()].view(param.shape))
 
 
-def kernel_step(cases, hyper, *, corrections=None, **flags):
-    """One ``step_group`` call for ``[(param, grad, states), ...]`` (with master weights: each
-    parameter's correction in ``corrections``); ``flags``: ``step_group``'s (``maximize``,
-    ``stochastic_round``, ``decoupled_weight_decay``)."""
-    flags = dict(maximize=False, stochastic_round=False) | flags
-    corrections = corrections or [None] * len(cases)
-    entries = [(p, g, s[0], s[1], s[2] if len(s) == 3 else None, hyper[5], c)
-               for (p, g, s), c in zip(cases, corrections)]
-    kernels.step_group(entries, *hyper[:5], **flags)
+def kernel_step(cases, hyper, *, corrections=None, decoupled_weight_decay=True, **flags):
+    """One call of the op, the AdamW rule, for ``[(param, grad, states), ...]`` (one dtype and
+    formats; with master weights: each parameter's correction in ``corrections``); ``flags``:
+    the op's (``maximize``, ``stochastic_round``)."""
+    torch.ops.lowbit_optim.triton_rule_step(
+        [p for p, _, _ in cases], [g for _, g, _ in cases],
+        ops.stored_tensors(state for _, _, states in cases for state in states), list(corrections or []),
+        **op_keywords(hyper, [state.format for state in cases[0][2]],
+                      decoupled_weight_decay=decoupled_weight_decay), **flags)
+
+
+def plan_step(entries, hyper, *, maximize=False, stochastic_round=False, rounding_stream=None):
+    """One step of ``[(param, grad, states, step), ...]`` as the optimizer steps a param group
+    through the kernel: the AdamW rule's ``RulePlan`` (its Triton parameters sorted into kinds,
+    one launch per kind, each kind's noise seed from ``rounding_stream``)."""
+    rule_entries = [RuleEntry(param, grad, tuple(states), step) for param, grad, states, step in entries]
+    plan = RulePlan(ADAMW, rule_entries, "triton")
+    assert len(plan.triton_indices) == len(entries), "every parameter through the kernel"
+    plan.run([entry.grad for entry in rule_entries], StepScalars(*hyper),
+             StepOptions(maximize, stochastic_round, rounding_stream), TailScratch())
 
 
 def _unpacked(state):

@@ -1,4 +1,5 @@
-"""The Triton kernel against the eager reference (``step.quantized.quantized_adamw_step``).
+"""The Triton kernel against the eager reference (``step.rule_step.quantized_rule_step``), the
+AdamW rule (other rules and the op: tests/test_triton_rules.py, tests/test_triton_op.py).
 
 On CPU the kernel runs under the Triton interpreter: ``TRITON_INTERPRET=1`` is set below,
 before ``lowbit_optim.step.kernels`` is imported, because Triton reads it when a kernel is defined
@@ -21,7 +22,6 @@ from lowbit_optim import (
     AdamWFp8,
     FactoredState,
 )
-from lowbit_optim.formats.catalog import get_format
 from lowbit_optim.state import QuantizedState, sharding
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.dispatch import resolve_backend
@@ -35,10 +35,10 @@ from kernel_helpers import (  # noqa: E402
     assert_params_close,
     assert_states_equal,
     gradient,
-    hyper_keywords,
     hyper_tensors,
     kernel_step,
     make_case,
+    plan_step,
     reference_step,
     run_against_reference,
 )
@@ -185,9 +185,9 @@ def test_kinds_launch_separately(launches):
     cases = [(*make_case(512, "8bit", dtype)[:1], None, make_case(512, "8bit", dtype)[1])
              for dtype in (torch.float32, torch.float32, torch.float16)]
     hyper = hyper_tensors(1e-3, (0.9, 0.999), 0.0, 1)
-    entries = [(p, torch.randn(512).to(p.dtype), s[0], s[1], None, hyper[5]) for p, _, s in cases]
-    entries[1] = (*entries[1][:5], torch.tensor(7.0))
-    kernels.step_group(entries, *hyper[:5], maximize=False, stochastic_round=False)
+    entries = [(p, torch.randn(512).to(p.dtype), s, hyper[5]) for p, _, s in cases]
+    entries[1] = (*entries[1][:3], torch.tensor(7.0))
+    plan_step(entries, hyper)
     assert len(launches.grids) == 3
 
 
@@ -279,32 +279,6 @@ def test_optimizer_triton_backend_matches_eager(optimizer_class):
                                 [state_e["exp_avg"], state_e["exp_avg_sq"]], f"param {index}")
 
 
-@pytest.mark.usefixtures("interpreter")
-def test_custom_op_under_torch_compile():
-    """The op's fake implementation lets a compiled function call it in one graph."""
-    param, states = make_case(700, "8bit", torch.float32)
-    ref_param, ref_states = param.clone(), [s.clone() for s in states]
-    grad = gradient(700, torch.float32)
-    hyper = hyper_tensors(1e-3, (0.9, 0.999), 0.01, 1)
-
-    def step(param, grad, codes_m, scales_m, codes_v, scales_v, *hyper):
-        torch.ops.lowbit_optim.adamw_lowbit_step(
-            [param], [grad], [codes_m, scales_m], [codes_v, scales_v], [], [], **hyper_keywords(hyper),
-            exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero")
-
-    compiled = torch.compile(step, fullgraph=True)
-    compiled(param, grad, states[0].codes, states[0].scales, states[1].codes, states[1].scales, *hyper)
-    reference_step(ref_param, grad, ref_states, hyper)
-    assert_states_equal(states, ref_states, "compiled op")
-    assert_params_close(param, ref_param, "compiled op")
-    # Inductor re-inplaces the op's mutations: a call clones nothing (aot_eager's
-    # functionalised graph cloned the parameter, codes and scales: 5 clones per call).
-    again = (param, grad, states[0].codes, states[0].scales, states[1].codes, states[1].scales)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        compiled(*again, *hyper)
-    assert not any(event.name == "aten::clone" for event in prof.events())
-
-
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.81), (0.5, 0.0), (0.0, 0.99)])
 def test_host_ratio_bound_is_adams_own(betas):
     """The kernel's clamp (a host float) is ``step.math.adam_ratio_bound``."""
@@ -312,30 +286,6 @@ def test_host_ratio_bound_is_adams_own(betas):
         expected = adam_ratio_bound(*(torch.tensor(v, dtype=torch.float64) for v in (*betas, step)))
         assert adamw_kernel_constants(1e-3, *betas, 1e-8, 0.0, step).max_ratio == pytest.approx(
             float(expected), rel=1e-12)
-
-
-def test_op_rejects_bad_input():
-    param, states = make_case(300, "8bit", torch.float32)
-    hyper = hyper_keywords(hyper_tensors(1e-3, (0.9, 0.999), 0.0, 1))
-    op = torch.ops.lowbit_optim.adamw_lowbit_step
-    moments = [[states[0].codes, states[0].scales], [states[1].codes, states[1].scales], []]
-    flags = dict(exp_avg_format="dynamic8-signed", exp_avg_sq_format="dynamic8-unsigned-nonzero")
-    with pytest.raises(ValueError, match="must be a 1-element CPU tensor"):
-        op([param], [torch.randn(300)], *moments, [], **(hyper | {"lr": torch.tensor([1e-3, 2e-3])}), **flags)
-    with pytest.raises(ValueError, match="do not fit a parameter"):
-        op([torch.zeros(600)], [torch.randn(300)], *moments, [], **hyper, **flags)
-    with pytest.raises(ValueError, match="one entry per parameter"):
-        op([param], [], *moments, [], **hyper, **flags)
-    with pytest.raises(ValueError, match="one entry per parameter"):
-        op([param], [torch.randn(300)], moments[0][:1], *moments[1:], [], **hyper, **flags)
-    fmt_m, fmt_v = get_format("dynamic8-signed"), get_format("dynamic8-unsigned-nonzero")
-    # Built around QuantizedState's own check, which refuses block size 48 too: the op is
-    # public and checks what reaches it (with the one block-size rule, formats.catalog).
-    odd = [QuantizedState(torch.zeros(7, 48 // fmt.codes_per_byte, dtype=torch.uint8), torch.zeros(7),
-                          fmt.name, torch.Size([300]), torch.float32) for fmt in (fmt_m, fmt_v)]
-    with pytest.raises(ValueError, match="Invalid block_size: 48"):
-        op([param], [torch.randn(300)], [odd[0].codes, odd[0].scales], [odd[1].codes, odd[1].scales], [], [],
-           **hyper, **flags)
 
 
 def test_backend_resolution(monkeypatch):
@@ -492,9 +442,8 @@ def test_stochastic_rounding_seed_from_the_step_count_and_a_stream():
         grad = gradient(600, torch.bfloat16)
         torch.manual_seed(stream * 1000)  # a different global state each time
         rng_before = torch.get_rng_state()
-        entries = [(param, grad, states[0], states[1], None, torch.tensor(step))]
-        kernels.step_group(entries, *hyper_tensors(1e-2, (0.9, 0.999), 0.0, 1)[:5], maximize=False,
-                           stochastic_round=True, rounding_stream=stream)
+        plan_step([(param, grad, states, torch.tensor(step))], hyper_tensors(1e-2, (0.9, 0.999), 0.0, 1),
+                  stochastic_round=True, rounding_stream=stream)
         assert torch.equal(torch.get_rng_state(), rng_before)
         results.append(param)
     assert torch.equal(results[0], results[1])

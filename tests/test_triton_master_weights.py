@@ -46,10 +46,10 @@ from kernel_helpers import (
     assert_params_close,
     assert_states_equal,
     gradient,
-    hyper_keywords,
     hyper_tensors,
     kernel_step,
     make_case,
+    op_keywords,
     reference_step,
 )
 
@@ -57,7 +57,7 @@ from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, release_gradients
 from lowbit_optim.step.master_weights import CORRECTION_KEY, correction_dtype, read_master, split_master
 
 pytest.importorskip("triton")  # the kernels' package: imported by conftest under the interpreter
-from lowbit_optim.step.kernels import stored_tensors  # noqa: E402
+from lowbit_optim.step.kernels.ops import stored_tensors  # noqa: E402
 
 # NaN gradients (the non-finite policy) flow into the interpreter's numpy division before the
 # kernel's selects put the old values back.
@@ -337,10 +337,9 @@ def test_custom_op_with_master_weights_under_torch_compile():
     hyper = hyper_tensors(1e-3, (0.9, 0.999), 0.01, 1)
 
     def step(params, corrections, states):
-        torch.ops.lowbit_optim.adamw_lowbit_step(
-            params, grads, stored_tensors(s[0] for s in states), stored_tensors(s[1] for s in states), [],
-            corrections, **hyper_keywords(hyper), exp_avg_format="dynamic8-signed",
-            exp_avg_sq_format="dynamic8-unsigned-nonzero")
+        torch.ops.lowbit_optim.triton_rule_step(
+            params, grads, stored_tensors(s for moments in states for s in moments), corrections,
+            **op_keywords(hyper, ["dynamic8-signed", "dynamic8-unsigned-nonzero"]))
 
     torch.compile(step, fullgraph=True)(*(list(parts) for parts in zip(*cases)))
     step(*(list(parts) for parts in zip(*copies)))

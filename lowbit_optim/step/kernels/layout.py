@@ -24,7 +24,7 @@ kernel serves every parameter dtype without casting integers to pointers. A tabl
 with tensor operations and copied to the device from pinned memory without blocking the
 host. The optimizer keeps each launch's layout with its step plan (``kernels.plan``) and,
 when only the gradients moved, replaces their column (``with_column``: the program map is
-reused). Direct calls of ``launcher.launch`` (the AdamW op) go through ``get_layout``,
+reused). Direct calls of ``launcher.launch`` (the torch op, ``ops``) go through ``get_layout``,
 which caches layouts by the tensors' addresses, sizes and dtypes (the same addresses with
 other element sizes give other offsets).
 """

@@ -1,98 +1,133 @@
-"""The torch-facing side of the Triton kernel for the AdamW rule: a ``torch.library`` op and the
-group step, both built on the rule (``rules.adamw``: its piece and constants) and the generic
-``group_plan.KernelGroupPlan``.
+"""The Triton kernel family's torch op: ``torch.ops.lowbit_optim.triton_rule_step``, one quantized
+step of any update rule that supplies a Triton piece (``rules.base.UpdateRule.kernel_update``),
+in place, in one launch (two where some tensors are not 16-byte aligned). Importing this module
+registers it (``step.kernels`` does not import it: the op takes a rule by name from
+``step.rules.RULES``, and the rules import the step machinery that imports ``step.kernels``).
 
-``torch.ops.lowbit_optim.adamw_lowbit_step`` updates lists of parameters and their quantized
-moments in place with one kernel launch. Being a library op with a fake implementation, it
-can sit inside ``torch.compile``d code: the compiler sees an opaque in-place op instead of
-tracing into Triton's launcher. Its shape is torch's ``_fused_adamw_``: the tensor lists
-positional, everything else keyword-only. Hyperparameters are 0-d CPU tensors, read on the
-host with ``.item()`` (no device sync: they never left the CPU) and passed to the kernel as
-runtime scalars, so a schedule neither recompiles anything nor copies anything to the device.
+Being a library op with a fake implementation, it can sit inside ``torch.compile``d code: the
+compiler sees an opaque in-place op instead of tracing into Triton's launcher. Its shape is
+torch's ``_fused_adamw_``: the tensor lists positional, everything else keyword-only. The
+rule's hyperparameters are 0-d CPU tensors, read on the host with ``.item()`` (no device sync:
+they never left the CPU) and passed to the kernel as runtime scalars, so a schedule neither
+recompiles anything nor copies anything to the device.
 
-``step_group`` steps the quantized parameters of a param group: it sorts them into kinds
-(``group_plan.KernelGroupPlan``, what an optimizer keeps between steps through
-``rule_step.RulePlan``) and makes one launch per kind.
+The optimizer's own step does not call the op: ``rule_step.RulePlan`` keeps a
+``group_plan.KernelGroupPlan`` between steps, which works the launches out once. The op works
+them out at every call (layouts cached by address, ``layout.get_layout``), for callers that
+step their own tensors from their own compiled code (docs/triton.md).
 """
+
+import types
 
 import torch
 from torch import Tensor
 
-from lowbit_optim.formats.catalog import get_format
-from lowbit_optim.step.chunks import RuleEntry
+from lowbit_optim.formats.catalog import QuantFormat, get_format
+from lowbit_optim.step.hyperparams import HYPER_DTYPE
 from lowbit_optim.step.kernels import launcher
-from lowbit_optim.step.kernels.group_plan import KernelGroupPlan, host_float, kind_seed
-from lowbit_optim.step.math import adamw_kernel_constants, adamw_kernel_update, adamw_kernel_variant
+from lowbit_optim.step.kernels.group_plan import host_float
+from lowbit_optim.step.rules import rule_named
+from lowbit_optim.step.rules.base import UpdateRule
 
 # The op's schema (torch.library.custom_op refuses keyword-only tensors, so it is defined from
-# its schema). Each moment list holds every parameter's codes and scales in turn:
-# ``[codes_0, scales_0, codes_1, scales_1, ...]``. Only non-mutated tensors are keyword-only:
+# its schema). ``moments`` holds, per parameter in turn, each of its moments' codes and scales
+# in the rule's order: ``[codes, scales of param 0's moment 0, codes, scales of its moment 1,
+# ..., then param 1's]`` (``stored_tensors``). Only non-mutated tensors are keyword-only:
 # Inductor (torch 2.13) passes keyword-only mutated lists positionally when it calls the op.
 _SCHEMA = (
-    "adamw_lowbit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-    "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] weight_corrections, *, Tensor lr, Tensor beta1, "
-    "Tensor beta2, Tensor eps, Tensor weight_decay, Tensor step, str exp_avg_format, str exp_avg_sq_format, "
-    "bool maximize=False, bool stochastic_round=False, int? seed=None, bool decoupled_weight_decay=True) "
-    "-> ()"
+    "triton_rule_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] moments, "
+    "Tensor(c!)[] weight_corrections, *, str rule, Tensor[] scalars, Tensor step, str[] formats, "
+    "bool maximize=False, bool stochastic_round=False, int? seed=None) -> ()"
 )
 _LIBRARY = torch.library.Library("lowbit_optim", "FRAGMENT")
 _LIBRARY.define(_SCHEMA)
 
 
-def _adamw_piece(decoupled_weight_decay: bool, values: list[float]) -> tuple:
-    """The AdamW rule's piece for the kernel (torch.optim.Adam's L2 weight decay is its
-    variant) and its constants at step count ``step`` from the group's ``values`` (``lr``,
-    the betas, ``eps``, ``weight_decay``: ``rules.adamw.AdamWRule.kernel_constants``' arithmetic)."""
-    variant = adamw_kernel_variant(decoupled_weight_decay, values[4])
-
-    def constants(step: float):
-        return adamw_kernel_constants(*values, step, l2_decay=bool(variant))
-
-    return launcher.KernelUpdate(adamw_kernel_update, variant), constants
-
-
 def stored_tensors(states) -> list[Tensor]:
-    """A moment list of the op: each ``QuantizedState``'s codes and scales in turn."""
+    """The op's ``moments`` list from ``QuantizedState``s given per parameter in turn, each
+    parameter's in its rule's order: every state's codes and scales in turn."""
     return [tensor for state in states for tensor in (state.codes, state.scales)]
 
 
-@torch.library.impl("lowbit_optim::adamw_lowbit_step", "CompositeExplicitAutograd", lib=_LIBRARY)
-def adamw_lowbit_step(
-    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor], weight_corrections: list[Tensor], *, lr: Tensor, beta1: Tensor,
-    beta2: Tensor, eps: Tensor, weight_decay: Tensor, step: Tensor, exp_avg_format: str,
-    exp_avg_sq_format: str, maximize: bool = False, stochastic_round: bool = False, seed: int | None = None,
-    decoupled_weight_decay: bool = True,
-) -> None:
-    """One quantized AdamW step for every parameter given, in place, in one launch
-    (``decoupled_weight_decay=False``: torch.optim.Adam's L2 weight decay).
+def kernel_rule(name: str) -> UpdateRule:
+    """The rule ``rules.RULES`` names ``name``, refused unless it has a Triton piece."""
+    rule = rule_named(name)
+    if rule.kernel_update is None:
+        raise ValueError(f"the {name!r} update rule has no Triton piece (UpdateRule.kernel_update): "
+                         "its quantized step runs through the compiled step only")
+    return rule
 
-    ``params`` (contiguous, one dtype) and ``grads`` (one dtype) pair up with the moments'
-    codes and scales (``QuantizedState.codes``/``.scales``, in turn per parameter:
-    ``stored_tensors``); ``max_exp_avg_sqs`` is empty unless amsgrad is on,
-    ``weight_corrections`` unless the parameters keep master weights (bfloat16 or float16
-    parameters' corrections, ``step.master_weights``: contiguous, all int8 or all int16; the
-    step updates parameter and correction together). All parameters share ``step``. ``seed``
-    (bfloat16 stochastic rounding only): the noise seed, e.g. from ``stochastic_round_seed``
-    and a counter the caller keeps; ``None`` draws one from torch's CPU generator (which that
-    consumes).
+
+def moment_formats(rule: UpdateRule, name: str, formats: list[str]) -> tuple[QuantFormat, ...]:
+    """``formats`` (one per moment the parameters keep, in the rule's order) as formats, refused
+    unless they are as many as the rule's moments (with or without its amsgrad-only ones)."""
+    keys = rule.all_moment_keys
+    always = tuple(spec.key for spec in rule.moments if not spec.amsgrad_only)
+    if len(formats) not in (len(always), len(keys)):
+        expected = " or ".join(dict.fromkeys(f"{len(k)} ({', '.join(k)})" for k in (always, keys)))
+        raise ValueError(f"the {name!r} rule keeps {expected} moments: got {len(formats)} formats "
+                         f"{list(formats)}")
+    return tuple(map(get_format, formats))
+
+
+def rule_scalars(rule: UpdateRule, name: str, scalars: list[Tensor]) -> types.SimpleNamespace:
+    """``scalars`` (the rule's ``scalar_names``' values, in that order) under those names, as
+    float64 0-d CPU tensors: the optimizer's ``hyperparams.GroupScalars``, which the rule's
+    ``step_constants`` reads."""
+    names = rule.scalar_names
+    if len(scalars) != len(names):
+        raise ValueError(f"the {name!r} rule takes {len(names)} scalars ({', '.join(names)}): got "
+                         f"{len(scalars)}")
+    for scalar_name, value in zip(names, scalars):
+        host_float(scalar_name, value)  # refuses a device or multi-element tensor
+    return types.SimpleNamespace(**{scalar_name: value.detach().reshape(()).to(HYPER_DTYPE)
+                                    for scalar_name, value in zip(names, scalars)})
+
+
+@torch.library.impl("lowbit_optim::triton_rule_step", "CompositeExplicitAutograd", lib=_LIBRARY)
+def triton_rule_step(
+    params: list[Tensor], grads: list[Tensor], moments: list[Tensor], weight_corrections: list[Tensor], *,
+    rule: str, scalars: list[Tensor], step: Tensor, formats: list[str], maximize: bool = False,
+    stochastic_round: bool = False, seed: int | None = None,
+) -> None:
+    """One quantized step of the update rule named ``rule`` (``rules.RULES``: ``"adamw"``,
+    ``"adam"`` for torch.optim.Adam's L2 weight decay, ``"lion"``, ``"ademamix"``) for every
+    parameter given, in place.
+
+    ``params`` (contiguous, one dtype) and ``grads`` (one dtype) pair up with their moments'
+    codes and scales in ``moments`` (per parameter in turn, each moment in the rule's order:
+    ``stored_tensors``), stored in ``formats`` (format names, one per moment: AdamW's third,
+    ``max_exp_avg_sq``, turns amsgrad on); ``weight_corrections`` is empty unless the
+    parameters keep master weights (bfloat16 or float16 parameters' corrections,
+    ``step.master_weights``: contiguous, all int8 or all int16; the step updates parameter and
+    correction together). ``scalars``: the rule's ``scalar_names`` values (AdamW's ``lr``,
+    ``beta1``, ``beta2``, ``eps``, ``weight_decay``), 1-element CPU tensors, read as float64.
+    All parameters share the step count ``step`` (already advanced). ``seed`` (bfloat16
+    stochastic rounding only): the noise seed, e.g. from ``stochastic_round_seed`` and a
+    counter the caller keeps; ``None`` draws one from torch's CPU generator (which that
+    consumes). Bad input is refused before anything is written.
     """
-    exp_avg_fmt, exp_avg_sq_fmt = get_format(exp_avg_format), get_format(exp_avg_sq_format)
-    moments = [exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if max_exp_avg_sqs else [])
-    if any(len(tensors) != 2 * len(params) for tensors in moments) or len(grads) != len(params):
-        raise ValueError("every tensor list must have one entry per parameter (two, codes and scales, "
-                         "for each moment)")
+    update_rule = kernel_rule(rule)
+    fmts = moment_formats(update_rule, rule, formats)
+    group_scalars = rule_scalars(update_rule, rule, scalars)
+    host_float("step", step)
+    count = len(fmts)
+    if (len(grads) != len(params) or len(moments) != 2 * count * len(params)
+            or len(weight_corrections) not in (0, len(params))):
+        raise ValueError(
+            f"every tensor list must have one entry per parameter ({len(params)}; moments: codes and scales "
+            f"of each of the {count} moments per parameter; weight_corrections: none or one per parameter): "
+            f"got {len(grads)} grads, {len(moments)} moment tensors, {len(weight_corrections)} corrections")
     if not params:
         return
-    pairs = [list(zip(tensors[::2], tensors[1::2])) for tensors in moments]
-    formats = (exp_avg_fmt, exp_avg_sq_fmt, exp_avg_sq_fmt)[:len(moments)]
-    block_size = pairs[0][0][0].shape[-1] * exp_avg_fmt.codes_per_byte
+    pairs = [[(moments[2 * (index * count + slot)], moments[2 * (index * count + slot) + 1])
+              for index in range(len(params))] for slot in range(count)]
+    block_size = pairs[0][0][0].shape[-1] * fmts[0].codes_per_byte
     for index, param in enumerate(params):
-        _check_state(param, [moment[index] for moment in pairs], block_size, formats)
+        _check_state(param, [pair[index] for pair in pairs], block_size, fmts)
     if any(not p.is_contiguous() for p in params):
-        raise ValueError("params must be contiguous (step_group handles non-contiguous ones)")
-    names = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")
-    values = [host_float(n, v) for n, v in zip(names, (lr, beta1, beta2, eps, weight_decay, step))]
+        raise ValueError("params must be contiguous (the optimizer steps non-contiguous ones through "
+                         "contiguous buffers, group_plan.KernelGroupPlan)")
     if not (stochastic_round and params[0].dtype == torch.bfloat16):
         seed = 0
     elif seed is None:
@@ -100,16 +135,17 @@ def adamw_lowbit_step(
         seed = int(torch.randint(2**31 - 1, ()))
     elif not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2**31) (got {seed})")
-    update, constants = _adamw_piece(decoupled_weight_decay, values[:5])
+    constants = update_rule.kernel_constants(update_rule.step_constants(group_scalars, step.reshape(())))
+    update = launcher.KernelUpdate(update_rule.kernel_update, update_rule.kernel_variant(group_scalars))
     launcher.launch(
-        params, grads, pairs, constants(values[5]),
-        update=update, formats=formats, block_size=block_size, maximize=maximize,
-        stochastic_round=stochastic_round, seed=seed, weight_corrections=weight_corrections or None,
+        params, grads, pairs, tuple(constants), update=update, formats=fmts, block_size=block_size,
+        maximize=maximize, stochastic_round=stochastic_round, seed=seed,
+        weight_corrections=weight_corrections or None,
     )
 
 
-@torch.library.register_fake("lowbit_optim::adamw_lowbit_step", lib=_LIBRARY)
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, weight_corrections, **options):
+@torch.library.register_fake("lowbit_optim::triton_rule_step", lib=_LIBRARY)
+def _(params, grads, moments, weight_corrections, **options):
     return None
 
 
@@ -119,68 +155,9 @@ def _check_state(param, codes_and_scales, block_size, formats) -> None:
         expected = (num_blocks, block_size // fmt.codes_per_byte)
         if tuple(codes.shape) != expected or codes.dtype != torch.uint8:
             raise ValueError(f"codes of shape {tuple(codes.shape)} ({codes.dtype}) do not fit a parameter "
-                             f"of {param.numel()} elements: {expected} uint8 expected")
+                             f"of {param.numel()} elements in {fmt.name}: {expected} uint8 expected")
         if tuple(scales.shape) != (num_blocks,) or scales.dtype != torch.float32:
             raise ValueError(f"scales of shape {tuple(scales.shape)} ({scales.dtype}) do not fit: "
                              f"({num_blocks},) float32 expected")
         if codes.device != param.device or scales.device != param.device:
             raise ValueError(f"state on {codes.device} does not match parameter on {param.device}")
-
-
-def _rule_entry(entry: tuple) -> RuleEntry:
-    """``step_group``'s ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step[,
-    weight_correction])`` as the record every implementation reads."""
-    param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *correction = entry
-    maximum = () if max_exp_avg_sq is None else (max_exp_avg_sq,)
-    return RuleEntry(param, grad, (exp_avg, exp_avg_sq, *maximum), step, *correction)
-
-
-def step_group(entries: list[tuple], lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
-               weight_decay: Tensor, *, maximize: bool, stochastic_round: bool,
-               rounding_stream: int | None = None, decoupled_weight_decay: bool = True) -> None:
-    """Step quantized parameters of one param group, one launch per kind.
-
-    ``entries``: ``(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` with
-    ``QuantizedState`` moments and ``step`` the parameter's 0-d step count (already advanced),
-    and optionally a bfloat16 or float16 parameter's master weight correction
-    (``rule_step.RuleEntry``'s fields, the moments spelled out).
-    Kinds: formats, block size, parameter and gradient dtype, device, step count, amsgrad,
-    correction dtype.
-    ``rounding_stream`` (bfloat16 stochastic rounding): when given, each kind's noise seed is
-    ``stochastic_round_seed(its step count, stream)`` with ``stream`` made of
-    ``rounding_stream`` and the kind's index: a pure function of what the optimizer saves, so a
-    resumed run draws the same noise and torch's random stream is never touched. ``None``:
-    drawn from torch's CPU generator.
-
-    Eager (the optimizer's step is a graph break) this plans and runs a ``KernelGroupPlan``;
-    under ``torch.compile`` each kind is one call of the op, which the compiler sees.
-    """
-    if not entries:
-        return
-    entries = [*map(_rule_entry, entries)]
-    plan = KernelGroupPlan(entries)
-    if not torch.compiler.is_compiling():
-        names, given = ("lr", "beta1", "beta2", "eps", "weight_decay"), (lr, beta1, beta2, eps, weight_decay)
-        values = [host_float(name, value) for name, value in zip(names, given)]
-        update, constants = _adamw_piece(decoupled_weight_decay, values)
-        plan.run([e.grad for e in entries], lambda step: constants(host_float("step", step)), update=update,
-                 maximize=maximize, stochastic_round=stochastic_round, rounding_stream=rounding_stream)
-        return
-    options = dict(maximize=maximize, stochastic_round=stochastic_round,
-                   decoupled_weight_decay=decoupled_weight_decay)
-    for index, kind in enumerate(plan.kinds):
-        kind_entries = entries if kind.indices is None else [entries[i] for i in kind.indices]
-        seed = None if rounding_stream is None else kind_seed(float(kind.step), index, rounding_stream)
-        for tensor, work in kind.copies:
-            work.copy_(tensor)
-        moments = [[entry.moments[position] for entry in kind_entries] for position in range(3)
-                   if position < len(kind_entries[0].moments)]
-        torch.ops.lowbit_optim.adamw_lowbit_step(
-            kind.work, [e.grad.contiguous() for e in kind_entries], stored_tensors(moments[0]),
-            stored_tensors(moments[1]), stored_tensors(moments[2]) if len(moments) == 3 else [],
-            kind.corrections or [],
-            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=kind.step,
-            exp_avg_format=moments[0][0].format_name, exp_avg_sq_format=moments[1][0].format_name,
-            seed=seed, **options)
-        for tensor, work in kind.copies:
-            tensor.copy_(work)
