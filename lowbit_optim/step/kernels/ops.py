@@ -49,7 +49,7 @@ def stored_tensors(states) -> list[Tensor]:
     return [tensor for state in states for tensor in (state.codes, state.scales)]
 
 
-def kernel_rule(name: str) -> UpdateRule:
+def _kernel_rule(name: str) -> UpdateRule:
     """The rule ``rules.RULES`` names ``name``, refused unless it has a Triton piece."""
     rule = rule_named(name)
     if rule.kernel_update is None:
@@ -58,7 +58,7 @@ def kernel_rule(name: str) -> UpdateRule:
     return rule
 
 
-def moment_formats(rule: UpdateRule, name: str, formats: list[str]) -> tuple[QuantFormat, ...]:
+def _moment_formats(rule: UpdateRule, name: str, formats: list[str]) -> tuple[QuantFormat, ...]:
     """``formats`` (one per moment the parameters keep, in the rule's order) as formats, refused
     unless they are as many as the rule's moments (with or without its amsgrad-only ones)."""
     keys = rule.all_moment_keys
@@ -70,7 +70,7 @@ def moment_formats(rule: UpdateRule, name: str, formats: list[str]) -> tuple[Qua
     return tuple(map(get_format, formats))
 
 
-def rule_scalars(rule: UpdateRule, name: str, scalars: list[Tensor]) -> types.SimpleNamespace:
+def _rule_scalars(rule: UpdateRule, name: str, scalars: list[Tensor]) -> types.SimpleNamespace:
     """``scalars`` (the rule's ``scalar_names``' values, in that order) under those names, as
     float64 0-d CPU tensors: the optimizer's ``hyperparams.GroupScalars``, which the rule's
     ``step_constants`` reads."""
@@ -107,9 +107,9 @@ def triton_rule_step(
     counter the caller keeps; ``None`` draws one from torch's CPU generator (which that
     consumes). Bad input is refused before anything is written.
     """
-    update_rule = kernel_rule(rule)
-    fmts = moment_formats(update_rule, rule, formats)
-    group_scalars = rule_scalars(update_rule, rule, scalars)
+    update_rule = _kernel_rule(rule)
+    fmts = _moment_formats(update_rule, rule, formats)
+    group_scalars = _rule_scalars(update_rule, rule, scalars)
     host_float("step", step)
     count = len(fmts)
     if (len(grads) != len(params) or len(moments) != 2 * count * len(params)
