@@ -180,3 +180,13 @@ def test_op_refuses_bad_input_before_any_change(monkeypatch):
     refused("Invalid block_size: 48", tensors=stored_tensors(odd))
     for tensor, saved in zip([param, *moments], before):
         assert torch.equal(tensor, saved)
+
+
+def test_op_schema_takes_tensor_lists_positionally_and_the_rest_by_keyword():
+    """torch's ``_fused_adamw_`` shape: at most six positional arguments, all tensor lists, the
+    mutated ones among them (Inductor passes keyword-only mutated lists positionally)."""
+    arguments = torch.ops.lowbit_optim.triton_rule_step.default._schema.arguments
+    positional = [a for a in arguments if not a.kwarg_only]
+    assert [a.name for a in positional] == ["params", "grads", "moments", "weight_corrections"]
+    assert all(str(a.type) == "List[Tensor]" for a in positional)
+    assert all(a.alias_info is None or not a.alias_info.is_write for a in arguments if a.kwarg_only)
