@@ -12,7 +12,7 @@ from lowbit_optim.step import factored, rule_step
 from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.hyperparams import StepOptions
 from lowbit_optim.step.math import StepScalars
-from lowbit_optim.step.rules.adamw import ADAMW
+from lowbit_optim.step.rules.adamw import ADAMW, ADAMW_FACTORED
 
 # The regression problem's length: the bounds against torch.optim.AdamW and Adam in
 # tests/test_optimizer.py and tests/test_adam.py were measured at it.
@@ -101,11 +101,12 @@ SCHEDULES = {
 
 
 def graph_count(optimizer):
-    """Graphs of the optimizer's compiled steps (the factored class has two more functions:
-    its statistics and its update)."""
+    """Graphs of the optimizer's compiled steps (the factored class has two more: its statistics
+    pass and the step of its factored rule over the first moment alone)."""
     count = rule_step.rule_graph_count(ADAMW, (optimizer.exp_avg_format, optimizer.exp_avg_sq_format))
     if isinstance(optimizer, AdamWFactored4bit):
         count += factored.compiled_graph_count(optimizer.exp_avg_format)
+        count += rule_step.rule_graph_count(ADAMW_FACTORED, (optimizer.exp_avg_format,))
     return count
 
 

@@ -8,7 +8,7 @@ from conftest import relative_rmse, slow_except
 from lowbit_optim import AdamW4bit, AdamWFactored4bit, FactoredState, QuantizedState
 from lowbit_optim.state.factored import reconstruct
 from lowbit_optim.step import chunks
-from lowbit_optim.step.factored import adam_ratio_bound
+from lowbit_optim.step.math import adam_ratio_bound
 
 BETAS = (0.9, 0.999)
 

@@ -81,8 +81,9 @@ def call_step(function, compiled: bool, dynamic: list[tuple[torch.Tensor, tuple[
 
 
 def leading_dims(tensors) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-    """``call_step``'s ``dynamic`` for block-shaped tensors: the block count of each (``None``s skipped)."""
-    return [(tensor, (0,)) for tensor in tensors if tensor is not None]
+    """``call_step``'s ``dynamic`` for block-shaped tensors: the block count of each (``None``s and
+    0-d tensors skipped), or the length of a vector (a factored moment's statistics)."""
+    return [(tensor, (0,)) for tensor in tensors if tensor is not None and tensor.dim()]
 
 
 def compiled_graph_count_of(compiled_function) -> int:

@@ -8,8 +8,9 @@ row statistics and of the column means' shares, for whole parameters
 (``csrc/factored_statistics.h``): the same float64 terms, summed in another order
 (docs/cpu_kernel.md: at most one float32 ulp per statistic apart from the compiled step's).
 ``FactoredKernel.columns`` accumulates and normalises the column statistics between the passes.
-``FactoredKernel.update`` is ``factored.factored_adamw_step`` over every block of the parameters in one
-pass (``csrc/rules/adamw_factored.h``, on the kernel's block step with its policies and master
+``FactoredKernel.update`` is the element pass (``rule_step.quantized_rule_step`` over
+``rules.adamw.AdamWFactoredRule``) over every block of the parameters in one pass
+(``csrc/rules/adamw_factored.h``, on the kernel's block step with its policies and master
 weights): bit for bit the compiled step's for the same statistics.
 """
 

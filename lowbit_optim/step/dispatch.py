@@ -14,9 +14,10 @@ from lowbit_optim.state.quantized import QuantizedState
 from lowbit_optim.step import cpu_kernel
 
 BACKENDS = ("compile", "eager", "triton", "cpu")
-# What ``implementation`` returns: the float-state step (``float_state``), the factored second
-# moment's two passes (``factored``), the Triton step kernel (``kernels``), the C++ CPU kernel
-# (``cpu_kernel``) and the compiled or eager quantized step (``rule_step.quantized_rule_step``).
+# What ``implementation`` returns: the float-state step (``float_state``), the factored layout's
+# statistics pass then the quantized step over the rule's factored variant (``factored``), the
+# Triton step kernel (``kernels``), the C++ CPU kernel (``cpu_kernel``) and the compiled or eager
+# quantized step (``rule_step.quantized_rule_step``).
 FLOAT, FACTORED, TRITON, CPU, COMPILE, EAGER = "float", "factored", "triton", "cpu", "compile", "eager"
 
 def _triton_interpreter_on() -> bool:

@@ -1,7 +1,9 @@
-"""The step of a parameter whose second moment is factored (``AdamWFactored4bit``).
+"""The factored layout of a second moment (``AdamWFactored4bit``): what its step adds to the
+generic one of ``rule_step``.
 
-Two passes over the parameter, each in bounded chunks (``chunks.CHUNK_ELEMENTS``), so no
-parameter-sized float32 temporary is ever made:
+A factored parameter's step is a statistics pass, then the generic element pass over the rule's
+``update`` (``rules.adamw.AdamWFactoredRule``), each in bounded chunks
+(``chunks.CHUNK_ELEMENTS``), so no parameter-sized float32 temporary is ever made:
 
 1. ``second_moment_means``: per chunk of rows of the ``(rows, columns)`` view, the means over
    columns and (this chunk's share of) over rows of ``(1 - beta2) * g**2``
@@ -9,19 +11,17 @@ parameter-sized float32 temporary is ever made:
    ``row = beta2 * row + mean_j(...)``, ``col = beta2 * col + mean_i(...)``. Each term is
    divided before it is summed: a sum of terms torch's AdamW keeps finite (a gradient of
    1e20 gives 1e37) would overflow float32 over a few dozen columns, and the statistics would
-   become inf, the parameter NaN.
-2. ``factored_adamw_step``: per chunk of whole quantization blocks, the 4-bit first moment
-   is decoded, updated and re-encoded as in ``rule_step.quantized_rule_step``, and each element's
-   second moment is ``row[i] * col[j] / mean(col)`` (``state.factored.reconstruct``), found
-   from its flat index. The parameter moves by ``math.parameter_update`` with the
-   ratio ``exp_avg / denom`` clamped at Adam's own bound (``adam_ratio_bound``): the
-   factored ``v`` can underestimate an element's own second moment by up to
-   ``min(rows, columns)`` times (an identity-like gradient), and the clamp keeps every update
-   within what Adam itself could do (docs/design.md, "The factored second moment").
+   become inf, the parameter NaN. Under FSDP2 the column means' shares are summed across the
+   ranks that hold the other rows.
+2. ``rule_step.quantized_rule_step`` over the 4-bit first moment, which it decodes, updates and
+   re-encodes, with the second moment the rule reads supplied by this layout instead of a
+   decoded stored one: ``FactoredMoment``, each element's ``row[i] * col[j] / mean(col)``
+   (``state.factored.reconstruct``) found from its flat index.
 
-Elements with a non-finite gradient keep their parameter value and first moment, and add 0
-to the statistics. Every function takes tensors only (hyperparameters and indices as 0-d
-tensors), so one compiled graph serves every shape and schedule.
+Elements with a non-finite gradient keep their parameter value and first moment (the shared
+policy of ``rule_step.apply_rule``), and add 0 to the statistics. Every compiled function takes
+tensors only (hyperparameters and indices as 0-d tensors), so one graph serves every shape and
+schedule. With ``backend="cpu"`` both passes run in the C++ kernel (``cpu_kernel_factored``).
 """
 
 from typing import NamedTuple
@@ -32,25 +32,9 @@ from lowbit_optim.formats.catalog import QuantFormat
 from lowbit_optim.state import sharding
 from lowbit_optim.state.factored import factor_shape, normalized_columns
 from lowbit_optim.step import chunks, cpu_kernel_factored
-from lowbit_optim.step.chunks import (
-    call_step,
-    compiled_graph_count_of,
-    correction_dtype_of,
-    for_each_block_chunk,
-    variant_name,
-    with_own_code_object,
-)
-from lowbit_optim.step.master_weights import read_master, write_master
-from lowbit_optim.step.math import (
-    adam_ratio_bound,
-    bias_corrections,
-    compute_dtype,
-    effective_gradient,
-    first_moment_update,
-    parameter_update,
-    squared_gradient_term,
-    write_param,
-)
+from lowbit_optim.step.chunks import CompiledVariants, call_step, correction_dtype_of
+from lowbit_optim.step.master_weights import read_master
+from lowbit_optim.step.math import effective_gradient, squared_gradient_term
 
 
 def second_moment_means(param_rows, grad_rows, beta2, weight_decay, columns, all_rows, *,
@@ -89,117 +73,48 @@ def accumulate_statistics(statistics: list[torch.Tensor], beta2, means: list[tor
     torch._foreach_clamp_max_(statistics, torch.finfo(torch.float32).max)
 
 
-class FactoredBlocks(NamedTuple):
-    """The tensors ``factored_adamw_step`` reads and writes: one chunk of a parameter's whole
-    blocks and its first moment's rows, and the parameter's statistics. The compiled step
-    treats the first dimension of each as dynamic, so one graph serves every size."""
+class FactoredMoment(NamedTuple):
+    """A factored second moment as the generic element pass reads it
+    (``rule_step.quantized_rule_step``, which takes it read only): the tensors of one chunk
+    of whole blocks starting at flat element ``first_element``. The compiled step treats
+    the statistics' lengths as dynamic and reads the indices as 0-d inputs, so one graph
+    serves every shape and chunk."""
 
-    param: torch.Tensor  # (n, block_size), updated in place
-    grad: torch.Tensor  # (n, block_size)
-    exp_avg_codes: torch.Tensor  # the chunk's rows of the first moment, updated in place
-    exp_avg_scales: torch.Tensor
     row: torch.Tensor  # this step's row statistics
     col_normalized: torch.Tensor  # col / mean(col)
+    first_element: torch.Tensor  # 0-d int64: the chunk's first element in the flat parameter
+    columns: torch.Tensor  # 0-d int64: the length of the last dimension
+
+    def parts(self, blocks: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """The second moment of each element of ``blocks`` (the chunk, ``(n, block_size)``)
+        in the ``count`` slices of consecutive elements a format's ``split`` makes: the
+        element at flat index ``f`` reads ``row[i] * col_normalized[j]``, ``i = f // columns``
+        (clamped to the last row: the zero padding of a partial last block reads it),
+        ``j = f - i * columns`` (``state.factored.reconstruct`` element by element)."""
+        block_count, block_size = blocks.shape
+        width = block_size // count
+        device, last_row = blocks.device, self.row.shape[0] - 1
+        block_starts = self.first_element + torch.arange(block_count, device=device)[:, None] * block_size
+        values = []
+        for index in range(count):
+            flat = block_starts + (index * width + torch.arange(width, device=device))
+            row_index = flat // self.columns
+            col_index = flat - row_index * self.columns
+            values.append(self.row[row_index.clamp(max=last_row)] * self.col_normalized[col_index])
+        return values
 
 
-class FactoredScalars(NamedTuple):
-    """The 0-d tensors ``factored_adamw_step`` reads (inputs of the compiled graph, so new
-    values never recompile it)."""
-
-    first_element: torch.Tensor  # int64: the chunk's first element in the flat parameter
-    columns: torch.Tensor  # int64: the length of the last dimension
-    lr: torch.Tensor
-    beta1: torch.Tensor
-    eps: torch.Tensor
-    weight_decay: torch.Tensor
-    bias_correction1: torch.Tensor
-    bias_correction2_sqrt: torch.Tensor
-    max_ratio: torch.Tensor  # adam_ratio_bound at this step
-
-
-def factored_adamw_step(blocks: FactoredBlocks, scalars: FactoredScalars, *, exp_avg_format: QuantFormat,
-                        maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool,
-                        weight_correction: torch.Tensor | None = None):
-    """Whole blocks ``(n, block_size)`` of a parameter starting at flat element
-    ``scalars.first_element``, in place: the first moment's codes and scales and the
-    parameter. Elements past the parameter's end (a padded last block) read the last row's
-    statistics. ``weight_correction``: the same blocks of a bfloat16 or float16 parameter's
-    master weight correction (``master_weights``), or ``None``."""
-    param, grad, exp_avg_codes, exp_avg_scales, row, col_normalized = blocks
-    first_element, columns, lr, beta1, eps, weight_decay = scalars[:6]
-    dtype = compute_dtype(param)
-    blocks, block_size = param.shape
-    exp_avg_parts = exp_avg_format.decode_parts(exp_avg_codes, exp_avg_scales)
-    param_parts = exp_avg_format.split(param)
-    grad_parts = exp_avg_format.split(grad)
-    weight_correction_parts = None if weight_correction is None else exp_avg_format.split(weight_correction)
-    part_width = block_size // len(param_parts)
-    block_starts = first_element + torch.arange(blocks, device=param.device)[:, None] * block_size
-    corrections = (scalars.bias_correction1, scalars.bias_correction2_sqrt)
-
-    new_params, new_exp_avgs = [], []
-    for index, param_part in enumerate(param_parts):
-        flat = block_starts + (index * part_width + torch.arange(part_width, device=param.device))
-        row_index = flat // columns
-        col_index = flat - row_index * columns
-        second_moment = row[row_index.clamp(max=row.shape[0] - 1)] * col_normalized[col_index]
-        if weight_correction_parts is not None:
-            param_part = read_master(param_part, weight_correction_parts[index])
-        old_param, exp_avg = param_part.to(dtype), exp_avg_parts[index].to(dtype)
-        finite, safe_grad = effective_gradient(old_param, grad_parts[index].to(dtype),
-                                               weight_decay=weight_decay, maximize=maximize,
-                                               decoupled_weight_decay=decoupled_weight_decay)
-        new_exp_avg = first_moment_update(exp_avg, safe_grad, beta1)
-        new_param = parameter_update(old_param, new_exp_avg, second_moment.to(dtype), lr=lr, eps=eps,
-                                     weight_decay=weight_decay, corrections=corrections,
-                                     decoupled_weight_decay=decoupled_weight_decay,
-                                     max_ratio=scalars.max_ratio)
-        new_params.append(torch.where(finite, new_param, old_param))
-        new_exp_avgs.append(torch.where(finite, new_exp_avg, exp_avg))
-
-    codes, scales = exp_avg_format.encode_parts(new_exp_avgs)
-    exp_avg_codes.copy_(codes)
-    exp_avg_scales.copy_(scales)
-    for index, (param_part, new_param) in enumerate(zip(param_parts, new_params)):
-        if weight_correction_parts is not None:
-            write_master(param_part, weight_correction_parts[index], new_param)
-        else:
-            write_param(param_part, new_param, stochastic_round=stochastic_round)
-
-
-class FactoredFunctions(NamedTuple):
-    """The factored step's two passes, compiled for one first-moment format."""
-
-    statistics: object  # second_moment_means
-    update: object  # factored_adamw_step
-
-
-# ``compiled_functions``' results: (first-moment format, correction dtype) -> both passes.
-_COMPILED: dict[tuple, FactoredFunctions] = {}
-
-
-def compiled_functions(exp_avg_format: QuantFormat,
-                       correction_dtype: torch.dtype | None = None) -> FactoredFunctions:
-    """Both passes compiled, once per process, format and master weight correction dtype
-    (``None`` without one): each its own code objects, so that the graphs of one (a graph per
-    parameter dtype and flags) stay within Dynamo's limit of 8 per code object."""
-    key = (exp_avg_format, correction_dtype)
-    if key not in _COMPILED:
-        suffix = "__".join(map(variant_name, key)).replace("-", "_")
-        _COMPILED[key] = FactoredFunctions(
-            statistics=torch.compile(
-                with_own_code_object(second_moment_means, f"second_moment_means__{suffix}"), dynamic=False),
-            update=torch.compile(
-                with_own_code_object(factored_adamw_step, f"factored_adamw_step__{suffix}"), dynamic=False),
-        )
-    return _COMPILED[key]
+# The statistics pass compiled once per first-moment format, master weight correction dtype and
+# flags (``chunks.CompiledVariants``): the first two keep the graphs of one optimizer class
+# apart, as the element pass's variants are.
+COMPILED_STATISTICS = CompiledVariants(second_moment_means, "second_moment_means")
 
 
 def compiled_graph_count(exp_avg_format: QuantFormat) -> int:
-    """How many graphs Dynamo holds for the factored step's two functions together, over every
-    correction dtype."""
-    return sum(compiled_graph_count_of(function) for (fmt, _), functions in _COMPILED.items()
-               if fmt == exp_avg_format for function in functions)
+    """How many graphs Dynamo holds for the statistics pass of parameters whose first moment
+    is in ``exp_avg_format`` (the element pass's are ``rule_step.rule_graph_count``'s for
+    ``rules.adamw.ADAMW_FACTORED``)."""
+    return COMPILED_STATISTICS.graph_count(exp_avg_format)
 
 
 def _statistics(entry):
@@ -211,7 +126,7 @@ class FactoredParams:
     """The factored parameters of one ``rule_step.RulePlan``, stepped together in place with
     ``"compile"``, ``"eager"`` or the C++ kernel: every parameter's statistics pass first, then, for FSDP2
     shards, one all-reduce of all their column means' shares per set of process groups (each
-    rank holds other rows: ``sharding.sum_across_shards``), then every update pass.
+    rank holds other rows: ``sharding.sum_across_shards``), then every element pass.
 
     ``entries``: ``(index, rule_step.RuleEntry)`` of this rank's tensors, indices into the plan's
     gradient list; ``params``: the parameters as the optimizer holds them (DTensors under
@@ -248,10 +163,15 @@ class FactoredParams:
                 [entries[p] for p in taken], [self.column_means[p] for p in taken],
                 [self.normalized_columns[p] for p in taken], [self.all_rows[p] for p in taken], kernel_isa)
 
-    def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, *, maximize: bool,
+    def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, step_elements, *, maximize: bool,
             stochastic_round: bool, decoupled_weight_decay: bool) -> None:
         """One step of every factored parameter (``hyper``: the group's ``lr``, ``beta1``,
-        ``beta2``, ``eps`` and ``weight_decay``, 0-d tensors; each entry has its own step)."""
+        ``beta2``, ``eps`` and ``weight_decay``, 0-d tensors; each entry has its own step):
+        the statistics pass, then the element pass: the C++ kernel's for the parameters it
+        takes, ``step_elements(entry, read_moments)`` for the others, the generic quantized
+        step of ``rule_step.RulePlan`` over the entry's first moment, with
+        ``read_moments(first_element)`` the second moment it reads for the chunk of blocks
+        from that element (``FactoredMoment``)."""
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         kernel = self.kernel
         for position, (index, entry) in enumerate(self.entries):
@@ -269,20 +189,12 @@ class FactoredParams:
                                   [self.column_means[p] for p in others])
         if any(kernel):
             self._kernel_columns(kernel, hyper)
-        # The bias corrections and Adam's bound depend on the step count only, which the
-        # parameters of a plan nearly always share: worked out once per count, not per
-        # parameter (a dozen 0-d host operations each).
-        step_scalars = {}
         for position in others:
             index, entry = self.entries[position]
-            normalized_columns(_statistics(entry).col, out=self.normalized_columns[position])
-            count = float(entry.step)
-            if count not in step_scalars:
-                step_scalars[count] = (*bias_corrections(hyper.beta1, hyper.beta2, entry.step),
-                                       adam_ratio_bound(hyper.beta1, hyper.beta2, entry.step))
-            self._update(backend, entry._replace(grad=grads[index]), hyper, step_scalars[count],
-                         self.normalized_columns[position], scratch,
-                         stochastic_round=stochastic_round, flags=flags)
+            exp_avg, factored = entry.moments
+            col_normalized = normalized_columns(factored.col, out=self.normalized_columns[position])
+            step_elements(entry._replace(grad=grads[index], moments=(exp_avg,)),
+                          self._read_moments(factored.row, col_normalized, scratch))
         if any(kernel):
             self._kernel_update(kernel, grads, hyper, stochastic_round=stochastic_round, flags=flags)
 
@@ -311,8 +223,8 @@ class FactoredParams:
         compiled = backend == "compile"
         correction_dtype = correction_dtype_of(entry.weight_correction)
         exp_avg, factored = entry.moments
-        statistics_step = (compiled_functions(exp_avg.format, correction_dtype).statistics if compiled
-                           else second_moment_means)
+        variant = (exp_avg.format, correction_dtype, flags["maximize"], flags["decoupled_weight_decay"])
+        statistics_step = COMPILED_STATISTICS.get(variant) if compiled else second_moment_means
         rows, columns = factored.row.numel(), factored.col.numel()
         param_matrix = entry.param.detach().reshape(rows, columns)  # read only (L2 weight decay)
         if entry.weight_correction is not None and not flags["decoupled_weight_decay"]:
@@ -334,33 +246,15 @@ class FactoredParams:
             column_means.add_(column_shares).clamp_(max=torch.finfo(torch.float32).max)
 
     @staticmethod
-    def _update(backend, entry, hyper, step_scalars, col_normalized, scratch, *, stochastic_round,
-                flags) -> None:
-        """Pass 2: the first moment and the parameter, a bounded chunk of whole quantization
-        blocks at a time (``step_scalars``: the two bias corrections and Adam's bound)."""
+    def _read_moments(row: torch.Tensor, col_normalized: torch.Tensor, scratch):
+        """``run``'s ``read_moments`` of one parameter. Its indices are 0-d int64 inputs owned
+        by the optimizer and filled in place: no tensor is made per chunk, and no size becomes
+        a guarded constant."""
+        columns = scratch.index_scalar("columns").fill_(col_normalized.numel())
+        first_element = scratch.index_scalar("first_element")
 
-        param, grad, (exp_avg, factored), _, weight_correction = entry
-        compiled = backend == "compile"
-        update_step = (compiled_functions(exp_avg.format, correction_dtype_of(weight_correction)).update
-                       if compiled else factored_adamw_step)
-        # 0-d int64 inputs of the compiled update, owned by the optimizer and filled in place:
-        # no tensor is made per step, and no size becomes a guarded constant.
-        columns_scalar = scratch.index_scalar("columns").fill_(factored.col.numel())
-        first_element_scalar = scratch.index_scalar("first_element")
-        options = dict(exp_avg_format=exp_avg.format, stochastic_round=stochastic_round, **flags)
-        scalars = FactoredScalars(first_element_scalar, columns_scalar, hyper.lr, hyper.beta1, hyper.eps,
-                                  hyper.weight_decay, *step_scalars)
+        def read_moments(first: int) -> tuple[FactoredMoment]:
+            first_element.fill_(first)
+            return (FactoredMoment(row, col_normalized, first_element, columns),)
 
-        def update(param_blocks, grad_blocks, block_rows: slice, first_element: int, correction_blocks):
-            first_element_scalar.fill_(first_element)
-            blocks = FactoredBlocks(param_blocks, grad_blocks, exp_avg.codes[block_rows],
-                                    exp_avg.scales[block_rows], factored.row, col_normalized)
-            dynamic = [(tensor, (0,)) for tensor in blocks]
-            master = {}
-            if correction_blocks is not None:
-                dynamic.append((correction_blocks, (0,)))
-                master["weight_correction"] = correction_blocks
-            call_step(update_step, compiled, dynamic, blocks, scalars, **options, **master)
-
-        for_each_block_chunk(param, grad, exp_avg.block_size, scratch, update,
-                             weight_correction=weight_correction)
+        return read_moments

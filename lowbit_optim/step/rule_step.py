@@ -12,9 +12,11 @@ parameters are written by rounding (bf16: or stochastic rounding) or through the
 Which implementation steps each parameter is ``dispatch.implementation``'s choice: the Triton
 step kernel (``step.kernels``, imported only then) for a rule that supplies a Triton piece
 (``UpdateRule.kernel_update``), the one-pass C++ CPU kernel (``cpu_kernel``) for a rule that
-names a functor (``UpdateRule.cpu_functor``), the two passes of ``factored`` for a factored
-second moment; all apply the same policies. Everything else steps through the compiled step,
-which is also the reference on every device.
+names a functor (``UpdateRule.cpu_functor``), and for a factored second moment the statistics
+pass of its layout (``factored``) followed by this module's quantized step over the rule's
+factored variant (``UpdateRule.for_factored``), reading the layout's second moment; all apply
+the same policies. Everything else steps through the compiled step, which is also the
+reference on every device.
 """
 
 import functools
@@ -60,13 +62,16 @@ def apply_rule(rule, param, grad, moments: tuple, constants, *, maximize: bool):
 
 def quantized_rule_step(param, grad, moments: tuple[StoredMoment, ...], constants, *, rule,
                         formats: tuple[QuantFormat, ...], maximize: bool, stochastic_round: bool,
-                        weight_correction: torch.Tensor | None = None) -> None:
+                        weight_correction: torch.Tensor | None = None, read_moments: tuple = ()) -> None:
     """``apply_rule`` on blocks: decode every moment, update, encode, in place.
 
     ``param`` and ``grad`` are ``(num_blocks, block_size)`` views, ``moments`` the stored
     tensors of the same rows of each quantized moment, in ``formats``; ``weight_correction``:
     the same blocks of a bfloat16 or float16 parameter's master weight correction
     (``master_weights``), whose master weight is read and written instead of the parameter.
+    ``read_moments``: moments the rule reads after those and does not return, which a layout
+    supplies for these blocks instead of a stored moment (``factored.FactoredMoment``: its
+    ``parts(param, count)`` are the values of the ``count`` slices ``split`` makes).
     Only tensors are taken, so ``torch.compile`` traces it once per rule, formats, flags,
     parameter dtype and correction dtype, whatever the parameter's shape.
     """
@@ -80,6 +85,7 @@ def quantized_rule_step(param, grad, moments: tuple[StoredMoment, ...], constant
     split = formats[0].split
     decoded = [fmt.decode_parts(*moment) for fmt, moment in zip(formats, moments)]
     param_parts, grad_parts = split(param), split(grad)
+    decoded += [moment.parts(param, len(param_parts)) for moment in read_moments]
     correction_parts = None if weight_correction is None else split(weight_correction)
     new_params, new_moments = [], [[] for _ in moments]
     for index, param_part in enumerate(param_parts):
@@ -126,8 +132,10 @@ class RulePlan:
     """A rule's step over one param group's parameters, sorted once by the implementation
     ``dispatch.implementation`` picks for each: the C++ kernel's in batches, the Triton
     kernel's in kinds, the compiled (or eager) step's one by one, float ones together per
-    ``float_state_groups``, factored ones through ``factored.FactoredParams``. ``run`` steps
-    them with the gradients given, one per entry, in order; the plan holds no gradient.
+    ``float_state_groups``, factored ones through ``factored.FactoredParams`` (its statistics
+    pass, then this plan's quantized step of each over the rule's ``for_factored`` variant).
+    ``run`` steps them with the gradients given, one per entry, in order; the plan holds no
+    gradient.
     ``params``: the parameters as the optimizer holds them (FSDP2: the factored step reduces
     over the ranks that hold the other rows). Built by ``rules.base.UpdateRule.plan``."""
 
@@ -175,8 +183,15 @@ class RulePlan:
         rule = self.rule.for_step(options, exact_moments=False)
         constants_of = _ConstantsPerStep(rule, scalars)
         if self.factored is not None:
+            factored_rule = self.rule.for_factored(options)
+
+            def step_elements(entry: RuleEntry, read_moments) -> None:
+                self._quantized(factored_rule, entry, constants_of(entry.step), options, scratch,
+                                read_moments=read_moments)
+
             self.factored.run(dispatch.COMPILE if self.compiled else dispatch.EAGER, grads, scalars, scratch,
-                              maximize=options.maximize, stochastic_round=options.stochastic_round,
+                              step_elements, maximize=options.maximize,
+                              stochastic_round=options.stochastic_round,
                               decoupled_weight_decay=options.decoupled_weight_decay)
         kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
         for batch in self.cpu_batches:
@@ -202,8 +217,11 @@ class RulePlan:
                             maximize=options.maximize, stochastic_round=options.stochastic_round,
                             rounding_stream=options.rounding_stream)
 
-    def _quantized(self, rule, entry: RuleEntry, constants, options: StepOptions,
-                   scratch: TailScratch) -> None:
+    def _quantized(self, rule, entry: RuleEntry, constants, options: StepOptions, scratch: TailScratch,
+                   read_moments=None) -> None:
+        """``quantized_rule_step`` over the entry's blocks, a bounded chunk at a time.
+        ``read_moments``: a layout's ``read_moments(first_element)``, the moments the rule also
+        reads for the chunk from that element (``factored.FactoredParams.run``)."""
         formats = tuple(moment.format for moment in entry.moments)
         variant = (rule, *formats, options.maximize, options.stochastic_round,
                    correction_dtype_of(entry.weight_correction))
@@ -214,9 +232,11 @@ class RulePlan:
         def update(param_blocks, grad_blocks, block_rows: slice, first_element: int, correction_blocks):
             stored = tuple(StoredMoment(m.codes[block_rows], m.scales[block_rows]) for m in entry.moments)
             master = {} if correction_blocks is None else {"weight_correction": correction_blocks}
-            tensors = (param_blocks, grad_blocks, correction_blocks, *(t for m in stored for t in m))
+            read = {} if read_moments is None else {"read_moments": read_moments(first_element)}
+            tensors = (param_blocks, grad_blocks, correction_blocks,
+                       *(t for m in (*stored, *read.get("read_moments", ())) for t in m))
             call_step(step, self.compiled, leading_dims(tensors), param_blocks, grad_blocks, stored,
-                      constants, **flags, **master)
+                      constants, **flags, **master, **read)
 
         for_each_block_chunk(entry.param, entry.grad, entry.moments[0].block_size, scratch, update,
                              weight_correction=entry.weight_correction)

@@ -6,7 +6,9 @@ is the specification), its Triton piece ``math.adamw_kernel_update`` and its C++
 ``csrc/rules/adamw.h``. Two things of the param group are rule data, as variants of the rule
 (``AdamWRule.for_step``): the weight decay's kind (decoupled, or torch.optim.Adam's L2 term)
 and the ratio clamp at Adam's own bound (``math.adam_ratio_bound``), which quantized moments
-need and float moments, exact arithmetic like ``torch.optim.AdamW``'s, do not take.
+need and float moments, exact arithmetic like ``torch.optim.AdamW``'s, do not take. A
+factored second moment (``AdamWFactored4bit``) steps with the variant ``AdamWFactoredRule``
+(``AdamWRule.for_factored``), whose ``update`` reads that moment instead of updating it.
 ``adamw`` is its functional entry point, in ``torch.optim.adamw.adamw``'s shape.
 """
 
@@ -25,7 +27,9 @@ from lowbit_optim.step.math import (
     adamw_kernel_update,
     adamw_kernel_variant,
     bias_corrections,
+    first_moment_update,
     l2_decayed_gradient,
+    parameter_update,
 )
 from lowbit_optim.step.rules.base import MomentSpec, UpdateRule
 
@@ -64,6 +68,9 @@ class AdamWRule(UpdateRule):
     def for_step(self, options: StepOptions, *, exact_moments: bool) -> "AdamWRule":
         return self.for_decay(options.decoupled_weight_decay, bounded=not exact_moments)
 
+    def for_factored(self, options: StepOptions) -> "AdamWFactoredRule":
+        return _FACTORED_VARIANTS[bool(options.decoupled_weight_decay)]
+
     def check_hyperparameters(self, group: dict) -> None:
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
@@ -85,22 +92,26 @@ class AdamWRule(UpdateRule):
         return AdamWConstants(scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
                               step, DECOUPLED[self.decoupled_weight_decay])
 
+    def corrections_and_bound(self, param, constants: AdamWConstants):
+        """The bias corrections and Adam's bound on the ratio (``None`` unbounded) at the
+        step of ``constants``, for ``update`` on ``param``'s device."""
+        _, beta1, beta2, _, _, step, _ = constants
+        if not self.bounded:
+            return bias_corrections(beta1, beta2, step), None
+        if param.device.type == "cpu":
+            # Once per call, outside the loops (``math._step_constants_op``). Elsewhere inline:
+            # the op's 0-d results are CPU tensors made inside the graph, and whether Inductor
+            # passes those to a GPU kernel as it passes 0-d CPU graph inputs was not checked.
+            *corrections, max_ratio = _step_constants_op(beta1, beta2, step)
+            return corrections, max_ratio
+        return bias_corrections(beta1, beta2, step), adam_ratio_bound(beta1, beta2, step)
+
     def update(self, param, grad, moments: tuple, constants: AdamWConstants):
         lr, beta1, beta2, eps, weight_decay, step, _ = constants
         if not self.decoupled_weight_decay:
             grad = l2_decayed_gradient(param, grad, weight_decay)
         exp_avg, exp_avg_sq, *maximum = moments
-        max_ratio = None
-        if not self.bounded:
-            corrections = bias_corrections(beta1, beta2, step)
-        elif param.device.type == "cpu":
-            # Once per call, outside the loops (``math._step_constants_op``). Elsewhere inline:
-            # the op's 0-d results are CPU tensors made inside the graph, and whether Inductor
-            # passes those to a GPU kernel as it passes 0-d CPU graph inputs was not checked.
-            *corrections, max_ratio = _step_constants_op(beta1, beta2, step)
-        else:
-            corrections = bias_corrections(beta1, beta2, step)
-            max_ratio = adam_ratio_bound(beta1, beta2, step)
+        corrections, max_ratio = self.corrections_and_bound(param, constants)
         new_param, new_exp_avg, new_exp_avg_sq, new_max = adam_update_values(
             param, grad, exp_avg, exp_avg_sq, maximum[0] if maximum else None, lr=lr, beta1=beta1,
             beta2=beta2, eps=eps, weight_decay=weight_decay, corrections=corrections,
@@ -126,6 +137,53 @@ class AdamWRule(UpdateRule):
 _VARIANTS = {(decoupled, bounded): AdamWRule(decoupled, bounded)
              for decoupled in (True, False) for bounded in (True, False)}
 ADAMW = _VARIANTS[True, True]
+
+
+class AdamWFactoredRule(AdamWRule):
+    """AdamW for a parameter whose second moment is factored (``AdamWFactored4bit``): ``update``
+    takes ``(exp_avg, second_moment)``, the second moment being the factored layout's
+    reconstruction ``row[i] * col[j] / mean(col)`` of each element (``step.factored``), read
+    only, and returns the new parameter and first moment. AdamW's constants and pieces
+    (``math.first_moment_update``, ``math.parameter_update``), always with the ratio clamp at
+    Adam's own bound: a factored ``v`` can underestimate an element's own by up to
+    ``min(rows, columns)`` times (docs/design.md, "The factored second moment"). Its C++ functor
+    is ``csrc/rules/adamw_factored.h``, which ``cpu_kernel_factored`` runs; it has no Triton
+    piece."""
+
+    name = "adamw_factored"
+    moments = (MomentSpec("exp_avg", signed=True), MomentSpec("exp_avg_sq", signed=False, factorable=True))
+    kernel_update = None
+    cpu_functor = None
+
+    def __init__(self, decoupled_weight_decay: bool = True):
+        super().__init__(decoupled_weight_decay, bounded=True)
+
+    def variants(self) -> tuple[UpdateRule, ...]:
+        return tuple(_FACTORED_VARIANTS.values())
+
+    def for_step(self, options: StepOptions, *, exact_moments: bool) -> "AdamWFactoredRule":
+        return self.for_factored(options)
+
+    def update(self, param, grad, moments: tuple, constants: AdamWConstants):
+        lr, beta1, _, eps, weight_decay, _, _ = constants
+        if not self.decoupled_weight_decay:
+            grad = l2_decayed_gradient(param, grad, weight_decay)
+        exp_avg, second_moment = moments
+        corrections, max_ratio = self.corrections_and_bound(param, constants)
+        new_exp_avg = first_moment_update(exp_avg, grad, beta1)
+        new_param = parameter_update(param, new_exp_avg, second_moment, lr=lr, eps=eps,
+                                     weight_decay=weight_decay, corrections=corrections,
+                                     decoupled_weight_decay=self.decoupled_weight_decay, max_ratio=max_ratio)
+        return new_param, (new_exp_avg,)
+
+    def __repr__(self) -> str:
+        decay = "decoupled" if self.decoupled_weight_decay else "L2"
+        return f"<update rule {self.name} ({decay} weight decay)>"
+
+
+# Its variants by decoupled weight decay, singletons like ``_VARIANTS``.
+_FACTORED_VARIANTS = {decoupled: AdamWFactoredRule(decoupled) for decoupled in (True, False)}
+ADAMW_FACTORED = _FACTORED_VARIANTS[True]
 
 
 def adamw(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], *, lr, beta1, beta2,

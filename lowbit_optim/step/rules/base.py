@@ -108,6 +108,12 @@ class UpdateRule:
         that only quantized moments need). Compiled steps are cached per variant."""
         return self
 
+    def for_factored(self, options) -> "UpdateRule":
+        """The rule as a step with ``options`` applies it to a parameter whose ``factorable``
+        moment is factored (``step.factored``): a variant whose ``update`` takes that moment,
+        reconstructed per element by the factored layout, read only, and returns the others."""
+        raise NotImplementedError(f"{self!r} has no factored variant")
+
     def variants(self) -> tuple["UpdateRule", ...]:
         """Every rule ``for_step`` can return."""
         return (self,)
