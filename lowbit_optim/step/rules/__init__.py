@@ -1,8 +1,10 @@
-"""The update rules (``base.UpdateRule``): AdamW/Adam (``adamw``), Lion (``lion``) and
-AdEMAMix (``ademamix``), each its moments, hyperparameters and math in one module.
+"""The update rules (``base.UpdateRule``): AdamW/Adam (``adamw``), Lion (``lion``), AdEMAMix
+(``ademamix``) and Muon (``muon``), each its moments, hyperparameters and math in one module.
 
-``RULES`` names each rule once, for whatever takes a rule by name (the Triton op,
-``step.kernels.ops``): a new rule adds its line here.
+``RULES`` names each rule whose element-wise step is a whole step, for whatever takes a rule by
+name (the Triton op, ``step.kernels.ops``): a new rule adds its line here. Muon is not one: its
+element-wise piece writes the Nesterov direction, and Newton-Schulz over the whole matrix
+(``step.muon_plan``) makes the step.
 """
 
 from lowbit_optim.step.rules.adamw import ADAMW
