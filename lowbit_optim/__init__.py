@@ -1,4 +1,4 @@
-"""Memory-efficient optimizers (AdamW, Adam, Lion, AdEMAMix) with 8-bit and 4-bit state."""
+"""Memory-efficient optimizers (AdamW, Adam, Lion, AdEMAMix, Muon) with 8-bit and 4-bit state."""
 
 from lowbit_optim import functional
 from lowbit_optim.checkpoint.master_weights import load_master_weights, master_weights_state_dict
@@ -18,6 +18,9 @@ from lowbit_optim.optim import (
     Lion8bit,
     LowBitAdamW,
     LowBitOptimizer,
+    Muon4bit,
+    Muon8bit,
+    muon_param_groups,
 )
 from lowbit_optim.optim.release import GradientRelease, release_gradients
 from lowbit_optim.optim.rounding_guard import (
@@ -52,6 +55,9 @@ __all__ = [
     "LowBitOptimizer",
     "load_master_weights",
     "master_weights_state_dict",
+    "Muon4bit",
+    "Muon8bit",
+    "muon_param_groups",
     "QuantFormat",
     "QuantizedState",
     "RoundingLossWarning",

@@ -10,8 +10,9 @@ from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.rules.adamw import ADAMW
 from lowbit_optim.step.rules.ademamix import ADEMAMIX
 from lowbit_optim.step.rules.lion import LION
+from lowbit_optim.step.rules.muon import MUON
 
-RULES = [ADAMW, LION, ADEMAMIX]
+RULES = [ADAMW, LION, ADEMAMIX, MUON]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.name)

@@ -120,7 +120,7 @@ def prepare_load(optimizer, state_dict) -> PreparedLoad:
 
 
 def _is_plain_moment(optimizer, key, value) -> bool:
-    return key in optimizer.rule.all_moment_keys and not isinstance(local(value), STORED_MOMENTS)
+    return key in optimizer.all_moment_keys() and not isinstance(local(value), STORED_MOMENTS)
 
 
 def _map_moments(state_dict: dict, slots: dict, keys: tuple[str, ...], convert) -> dict:
@@ -168,7 +168,7 @@ def _store_float_moments(optimizer, state_dict: dict, slots: dict) -> dict:
             return None
         return stored_moment(optimizer, slot.param, group, key, value)
 
-    return _map_moments(state_dict, slots, optimizer.rule.all_moment_keys, convert)
+    return _map_moments(state_dict, slots, optimizer.all_moment_keys(), convert)
 
 
 def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
@@ -183,7 +183,7 @@ def _adopt_older_formats(optimizer, state_dict: dict, slots: dict) -> dict:
         adopted = QuantizedState(shard.codes, shard.scales, fmt.name, shard.shape, shard.dtype)
         return wrap_like(adopted, value) if is_dtensor(value) else adopted
 
-    return _map_moments(state_dict, slots, optimizer.rule.all_moment_keys, convert)
+    return _map_moments(state_dict, slots, optimizer.all_moment_keys(), convert)
 
 
 def _fit_corrections(state_dict: dict, slots: dict) -> tuple[dict, int]:

@@ -104,7 +104,7 @@ def validate_state_dict(optimizer, state_dict, slots: dict | None = None) -> Non
         for key, value in entry.items():
             if key in keys or key in ("step", CORRECTION_KEY) or not isinstance(value, torch.Tensor):
                 continue
-            if key in optimizer.rule.all_moment_keys:  # amsgrad's maximum without amsgrad
+            if key in optimizer.all_moment_keys():  # amsgrad's maximum without amsgrad
                 raise ValueError(f"{slot.label}: state has {key} but its group has amsgrad=False")
             raise ValueError(
                 f"{slot.label}: state has {key}, which {type(optimizer).__name__} does not keep (its "

@@ -10,7 +10,8 @@ every state tensor of that format (states hold a format name, never a copy of a 
 * 4-bit: the signed dynamic-exponent map of lpmm ("Memory Efficient Optimizers with 4-bit
   States", Li et al. 2023, section 4) for the first moment, and the linear map without
   zero, (k + 1) / 16, for the second moment: a zero second moment would turn
-  1 / sqrt(v) into a huge step (the paper's "zero-point problem", section 4.1).
+  1 / sqrt(v) into a huge step (the paper's "zero-point problem", section 4.1); and NF4's
+  normal quantiles (QLoRA) for Muon's 4-bit momentum (docs/muon.md has the comparison).
 """
 
 import torch
@@ -44,7 +45,18 @@ def linear_nonzero_map(*, total_bits: int) -> torch.Tensor:
     return torch.arange(1, levels + 1, dtype=torch.float32) / levels
 
 
+def normal_quantile_map() -> torch.Tensor:
+    """The 16 values of NF4 (QLoRA, Dettmers et al. 2023, appendix E): quantiles of a standard
+    normal, 8 positive and 7 negative, plus an exact 0, scaled to [-1, 1]."""
+    offset = 0.9677083  # the quantile NF4 maps to 1 (the mean of 1 - 1/(2*15) and 1 - 1/(2*16))
+    positive = torch.special.ndtri(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1])
+    negative = -torch.special.ndtri(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])
+    values = torch.cat([positive, torch.zeros(1, dtype=torch.float64), negative])
+    return (values / values.max()).sort().values.float()
+
+
 SIGNED_8BIT = dynamic_exponent_map(signed=True, total_bits=8)
 UNSIGNED_8BIT = dynamic_exponent_map(signed=False, total_bits=8)
 SIGNED_4BIT = dynamic_exponent_map(signed=True, total_bits=4)
 LINEAR_4BIT = linear_nonzero_map(total_bits=4)
+NORMAL_4BIT = normal_quantile_map()

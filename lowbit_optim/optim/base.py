@@ -178,7 +178,7 @@ class LowBitOptimizer(Optimizer):
             )
 
     def _check_group(self, group: dict) -> None:
-        self.rule.check_hyperparameters(group)
+        self.rule_of(group).check_hyperparameters(group)
         if not isinstance(group["maximize"], bool):
             raise ValueError(f"Invalid maximize: {group['maximize']!r} (a bool is needed)")
         check_block_size(group["block_size"])
@@ -189,10 +189,21 @@ class LowBitOptimizer(Optimizer):
 
     # --- what the optimizer stores: asked by checkpoint and distributed code too ------------
     @classmethod
+    def rule_of(cls, group: dict) -> UpdateRule:
+        """The rule that steps ``group``: ``rule``, for every group of a one-rule class
+        (``optim.muon`` picks per group)."""
+        return cls.rule
+
+    @classmethod
+    def all_moment_keys(cls) -> tuple[str, ...]:
+        """Every moment key a group of this class can keep, over the rules it steps with."""
+        return cls.rule.all_moment_keys
+
+    @classmethod
     def moment_keys(cls, group: dict) -> tuple[str, ...]:
         """The moments a parameter of ``group`` has, in the rule's order (AdamW's
         ``max_exp_avg_sq`` only with amsgrad)."""
-        return cls.rule.moment_keys(group)
+        return cls.rule_of(group).moment_keys(group)
 
     @classmethod
     def moment_format(cls, key: str) -> QuantFormat:
@@ -305,7 +316,7 @@ class LowBitOptimizer(Optimizer):
             for index, group in enumerate(self.param_groups):
                 params, grads = with_gradients(group["params"])
                 states = [*map(self.state.get, params)]
-                held = self._cache(index).holds(self.rule, params, grads, states, self.backend)
+                held = self._cache(index).holds(self.rule_of(group), params, grads, states, self.backend)
                 if not held:
                     self._check_grads(params, grads)
                 self._check_group(group)
@@ -384,7 +395,8 @@ class LowBitOptimizer(Optimizer):
                 if not state:
                     self._init_state(param, group, state)
                     self._master_weights.remember(param, state)
-        self.rule.step(params, grads, states, **self.rule.keywords(group), maximize=group["maximize"],
+        rule = self.rule_of(group)
+        rule.step(params, grads, states, **rule.keywords(group), maximize=group["maximize"],
                        stochastic_round=group["bf16_stochastic_round"],
                        rounding_stream=(sharding.rank() << GROUP_STREAM_BITS) | index,
                        backend=self.backend, cache=cache or self._cache(index))

@@ -45,21 +45,11 @@ def linear_signed_map(*, total_bits: int) -> torch.Tensor:
     return torch.arange(-levels, levels + 1, dtype=torch.float32) / levels
 
 
-def normal_quantile_map() -> torch.Tensor:
-    """The 16 values of NF4 (QLoRA, Dettmers et al. 2023, appendix E): quantiles of a standard
-    normal, 8 positive and 7 negative, plus an exact 0, scaled to [-1, 1]."""
-    offset = 0.9677083  # the quantile NF4 maps to 1 (the mean of 1 - 1/(2*15) and 1 - 1/(2*16))
-    positive = torch.special.ndtri(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1])
-    negative = -torch.special.ndtri(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])
-    values = torch.cat([positive, torch.zeros(1, dtype=torch.float64), negative])
-    return (values / values.max()).sort().values.float()
-
-
 LINEAR_8BIT_SIGNED = catalog.QuantFormat(
     "linear8-signed", 8, TableCodec(linear_signed_map(total_bits=8)), 2048)
 LINEAR_4BIT_SIGNED = catalog.QuantFormat(
     "linear4-signed", 4, TableCodec(linear_signed_map(total_bits=4)), 128)
-NORMAL_4BIT = catalog.QuantFormat("normal4", 4, TableCodec(normal_quantile_map()), 128)
+NORMAL_4BIT = catalog.NORMAL_4BIT_SIGNED  # the package's format (Muon4bit's momentum)
 
 
 class FloatMomentum:

@@ -12,48 +12,18 @@ With a quantizing codec the buffer is decoded, updated and encoded again each st
 low-bit Muon's fused momentum pass does). The Nesterov mix and Newton-Schulz take the float32
 momentum before it is encoded: a fused kernel has it in registers then.
 
-Muon: Jordan et al., https://kellerjordan.github.io/posts/muon/; the "match_rms_adamw" LR
-scale: "Muon is Scalable for LLM Training", arXiv 2502.16982.
+Newton-Schulz and the LR scale are the package's own (``lowbit_optim.step.newton_schulz``).
 """
-
-import math
 
 import torch
 
 from lowbit_optim.reference.momentum_codecs import FloatMomentum
-
-NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-
-
-def zeropower_via_newtonschulz(update: torch.Tensor, ns_coefficients: tuple[float, float, float],
-                               ns_steps: int, eps: float) -> torch.Tensor:
-    """The quintic Newton-Schulz iteration in bf16 that pushes every singular value of
-    ``update`` towards 1 (returned in bf16, ``update``'s shape)."""
-    a, b, c = ns_coefficients
-    ortho = update.bfloat16()
-    # Iterate on the wide orientation: its Gram matrix is the smaller one.
-    tall = update.size(0) > update.size(1)
-    if tall:
-        ortho = ortho.T
-    # Frobenius norm >= spectral norm: afterwards every singular value is at most 1.
-    ortho.div_(ortho.norm().clamp(min=eps))
-    for _ in range(ns_steps):
-        gram = ortho @ ortho.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
-    return ortho.T if tall else ortho
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """The LR a ``rows x cols`` matrix steps with: "original" (and None) scales by
-    sqrt(max(1, rows / cols)), "match_rms_adamw" by 0.2 sqrt(max(rows, cols))."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (one of {ADJUST_LR_FNS})")
+from lowbit_optim.step.newton_schulz import (
+    ADJUST_LR_FNS,
+    NS_COEFFICIENTS,
+    adjusted_lr,
+    zeropower_via_newtonschulz,
+)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
 SOURCES = ("cpu_step_op.cpp", "cpu_step_avx512.cpp", "cpu_step_avx2.cpp", "cpu_step_scalar.cpp")
 HEADERS = ("cpu_step_args.h", "constant_divisor.h", "cpu_step_vector_ops.h", "cpu_step_kernel.h",
            "factored_statistics.h", "rules/adamw.h", "rules/adamw_factored.h", "rules/lion.h",
-           "rules/ademamix.h")
+           "rules/ademamix.h", "rules/muon.h")
 # -ffp-contract=off: no multiply-add may be fused, so every path rounds exactly where the
 # reference (eager PyTorch, which never fuses) rounds.
 # -fopenmp: with torch's OpenMP build, ``at::parallel_for`` is a header-inline

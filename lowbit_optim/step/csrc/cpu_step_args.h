@@ -31,7 +31,8 @@ struct EncoderConstants {
 // kAdamWFactored: AdamW with a factored second moment (rules/adamw_factored.h); its
 // statistics pass, kFactoredStatistics (factored_statistics.h), runs over tiles of rows, not
 // over blocks, through the same per-instruction-set entry point.
-enum RuleId : int32_t { kAdamW = 0, kLion = 1, kAdEMAMix = 2, kAdamWFactored = 3, kFactoredStatistics = 4 };
+enum RuleId : int32_t { kAdamW = 0, kLion = 1, kAdEMAMix = 2, kAdamWFactored = 3, kFactoredStatistics = 4,
+                    kMuon = 5 };
 constexpr int kMaxMoments = 3;
 constexpr int kMaxRuleValues = 16;
 
@@ -46,6 +47,7 @@ constexpr RuleShape kRuleShapes[] = {
     {11, 3, 3},   // kAdEMAMix: AdEMAMixConstants
     {7, 1, 1},    // kAdamWFactored: kAdamW's values; the first moment only
     {2, 0, 0},    // kFactoredStatistics: beta2, weight_decay
+    {2, 1, 1},    // kMuon: MuonConstants
 };
 
 // The factored second moment of a (rows, columns) matrix (lowbit_optim/state/factored.py).

@@ -7,9 +7,9 @@
 // stack (L1) between the update and the encode, because the encode needs the whole block's
 // absmax first; nothing of the parameter's size is ever written besides the outputs.
 //
-// The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h: its float32
-// constants, formed once per call from the host's values, its number of moments kMoments, and
-// `update` on vectors: parameter, gradient and decoded moments -> new parameter and moments);
+// The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h, rules/muon.h:
+// its float32 constants, formed once per call from the host's values, its number of moments
+// kMoments, and `update` on vectors: parameter, gradient and decoded moments -> new parameter and moments);
 // the block step is instantiated once per rule (AdamW: with and without amsgrad) and parameter
 // width. What every rule shares lives here, not in the functors
 // (as lowbit_optim/step/rule_step.py::apply_rule): maximize negates the gradient, an element
@@ -43,6 +43,7 @@
 #include "rules/adamw.h"
 #include "rules/adamw_factored.h"
 #include "rules/lion.h"
+#include "rules/muon.h"
 
 namespace lowbit_cpu {
 namespace LOWBIT_ISA {
@@ -567,6 +568,7 @@ void run_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
   switch (a.rule) {
     case kLion: run_rule<LionRule>(a, first_block, end_block); break;
     case kAdEMAMix: run_rule<AdEMAMixRule>(a, first_block, end_block); break;
+    case kMuon: run_rule<MuonRule>(a, first_block, end_block); break;
     case kAdamWFactored: run_rule<AdamWFactoredRule>(a, first_block, end_block); break;
     case kFactoredStatistics: run_statistics(a, first_block, end_block); break;  // tiles of rows
     default:

@@ -90,7 +90,7 @@ StepArgs rule_args(at::Tensor param, const at::Tensor& grad, at::TensorList code
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.scalar_type() == param.scalar_type() &&
                   grad.numel() == param.numel(),
               "cpu_rule_step: grad must be a contiguous CPU tensor of param's dtype and size");
-  TORCH_CHECK(rule >= kAdamW && rule <= kAdamWFactored, "cpu_rule_step: unknown rule ", rule);
+  TORCH_CHECK((rule >= kAdamW && rule <= kAdamWFactored) || rule == kMuon, "cpu_rule_step: unknown rule ", rule);
   TORCH_CHECK(kind >= kDynamic8 && kind <= kFloat8, "cpu_rule_step: unknown state kind ", kind);
   TORCH_CHECK(block_size >= 2 && block_size <= kMaxBlockSize && block_size % 4 == 0,
               "cpu_rule_step: block_size must be a multiple of 4 in [4, ", kMaxBlockSize, "], got ", block_size);
