@@ -6,9 +6,9 @@ with exactly what a single process computes.
 Newton-Schulz transposes), uneven shards in both orientations. ``Muon8bit``/``Muon4bit``: an
 MLP 64 -> 128 -> 40 whose weights have quantized momentum (each rank's rows, 64 x 64 and
 20 x 128, are whole blocks, so the codes are the single process's); the 128 x 64 one is tall, so
-its LR scale must come from the global shape, not the shard's; the biases take the AdamW part. The gradients are made once here and set on every rank's
-shards, no forward or backward (see tests/test_distributed.py for why): the result must be the
-single process's bit for bit.
+its LR scale must come from the global shape, not the shard's; the biases take the AdamW part.
+The gradients are made once here and set on every rank's shards, no forward or backward (see
+tests/test_distributed.py for why): the result must be the single process's bit for bit.
 """
 
 import gc
