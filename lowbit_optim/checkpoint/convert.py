@@ -1,7 +1,7 @@
-"""Converting between ``torch.optim.AdamW`` state dicts (and torchao's) and ours:
-``from_torch_adamw`` quantizes their moments on the way in (carrying torchao's codes over
-where the maps agree), ``to_torch_adamw`` dequantizes ours on the way out, master weights
-included. See docs/checkpoints.md."""
+"""Converting between ``torch.optim.AdamW`` state dicts (and torchao's, and
+``torch.optim.Muon``'s) and ours: ``from_torch_adamw`` quantizes their moments on the way in
+(carrying torchao's codes over where the maps agree), ``to_torch_adamw`` and ``to_torch_muon``
+dequantize ours on the way out, master weights included. See docs/checkpoints.md."""
 
 import torch
 
@@ -23,6 +23,8 @@ from lowbit_optim.step.rules.adamw import ADAMW
 TORCH_ADAMW_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 # Options only AdamW's groups have among the rules': a group holding one was saved by AdamW.
 ADAMW_ONLY_OPTIONS = ("eps", "amsgrad")
+# Group options that say which rule (and decay) a group of ours runs: the loading optimizer's.
+OWN_RULE_OPTIONS = ("decoupled_weight_decay", "use_muon")
 
 
 def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
@@ -44,7 +46,7 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
     ``optimizer.load_state_dict`` calls this itself when given a torch state dict.
     """
     slots = slots or slots_of(optimizer, state_dict)
-    if optimizer.rule is not ADAMW:
+    if any(optimizer.rule_of(group) is not ADAMW for group in optimizer.param_groups):
         _refuse_adamw_state(optimizer, state_dict, slots)
     groups = []
     for index, (saved, own) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
@@ -58,7 +60,7 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
                 f"{type(optimizer).__name__} uses {kinds[own_decoupled]}"
             )
         group = {k: v for k, v in saved.items() if k not in TORCH_ADAMW_GROUP_OPTIONS}
-        group.update({k: own[k] for k in (*LOWBIT_GROUP_KEYS, "decoupled_weight_decay") if k in own})
+        group.update({k: own[k] for k in (*LOWBIT_GROUP_KEYS, *OWN_RULE_OPTIONS) if k in own})
         groups.append(group)
     group_of = {saved_id: groups[i] for i, g in enumerate(groups) for saved_id in g["params"]}
 
@@ -68,8 +70,10 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
         converted = dict(entry)
         if "step" in entry:
             converted["step"] = torch.as_tensor(entry["step"]).to(device="cpu", dtype=torch.float32)
+        elif entry:  # torch.optim.Muon counts no steps (nor does Muon's math read them)
+            converted["step"] = torch.tensor(0.0)
         group = group_of[saved_id]
-        for key in optimizer.rule.all_moment_keys:
+        for key in optimizer.all_moment_keys():
             value = entry.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
@@ -91,13 +95,20 @@ def from_torch_adamw(optimizer, state_dict, slots: dict | None = None) -> dict:
 
 def _refuse_adamw_state(optimizer, state_dict, slots: dict) -> None:
     """An AdamW state (its second moments, its ``eps`` or ``amsgrad``) does not become the
-    state of an optimizer of another rule: Lion has no second moment, AdEMAMix a slow one the
+    state of a param group of another rule: Lion has no second moment, AdEMAMix a slow one the
     AdamW state lacks. A state dict of that rule without our group options (one whose
-    moments have the rule's keys) still converts."""
-    name, rule = type(optimizer).__name__, optimizer.rule.name
-    own = optimizer.rule.all_moment_keys
-    adamw_moments = [key for key in ADAMW.all_moment_keys if key not in own]
+    moments have the rule's keys: ``torch.optim.Muon``'s) still converts."""
+    name = type(optimizer).__name__
+    rule_of = {saved_id: optimizer.rule_of(own) for saved, own in zip(state_dict["param_groups"],
+                                                                    optimizer.param_groups)
+               for saved_id in saved["params"]}
     for saved_id, entry in state_dict["state"].items():
+        slot_for(slots, saved_id)  # a state no group lists is refused by name
+        slot_rule = rule_of[saved_id]
+        if slot_rule is ADAMW:
+            continue
+        rule, own = slot_rule.name, slot_rule.all_moment_keys
+        adamw_moments = [key for key in ADAMW.all_moment_keys if key not in own]
         moments = [key for key in adamw_moments if key in entry]
         missing = [key for key in own if entry and key not in entry]
         if moments or missing:
@@ -106,12 +117,14 @@ def _refuse_adamw_state(optimizer, state_dict, slots: dict) -> None:
             raise ValueError(
                 f"{slot_for(slots, saved_id).label}: the loaded state {what} ({rule} rule: "
                 f"{', '.join(own)}): an AdamW state does not become its state")
-    for index, saved in enumerate(state_dict["param_groups"]):
-        options = [key for key in ADAMW_ONLY_OPTIONS if key in saved and key not in optimizer.defaults]
-        if options:
+    for index, (saved, own_group) in enumerate(zip(state_dict["param_groups"], optimizer.param_groups)):
+        rule = optimizer.rule_of(own_group)
+        options = [key for key in ADAMW_ONLY_OPTIONS if key in saved and key not in own_group]
+        if options and rule is not ADAMW:
             raise ValueError(
                 f"parameter group {index} of the loaded state dict has {', '.join(options)}: a "
-                f"torch.optim.AdamW state dict, which does not become the state of {name} ({rule} rule)")
+                f"torch.optim.AdamW state dict, which does not become the state of {name} "
+                f"({rule.name} rule)")
 
 
 def stored_moment(optimizer, param, group: dict, key: str, values: torch.Tensor):
@@ -180,6 +193,38 @@ def to_torch_adamw(state_dict, *, params=None) -> dict:
     (``master_weights_state_dict`` gives the same by parameter name).
     """
     _check_adamw_state_dict(state_dict)
+
+    def torch_group(saved: dict) -> dict:
+        group = {k: v for k, v in saved.items() if k not in LOWBIT_GROUP_KEYS}
+        group.setdefault("decoupled_weight_decay", True)  # saved before it was a group option
+        return {**group, **TORCH_ADAMW_GROUP_OPTIONS}
+
+    return _dequantized_state_dict(state_dict, params, torch_group, keep_step=True)
+
+
+def to_torch_muon(state_dict, *, params=None) -> dict:
+    """A ``Muon8bit``/``Muon4bit`` state dict whose groups are all Muon groups as a plain
+    ``torch.optim.Muon`` one: ``momentum_buffer`` dequantized to float32, the groups without
+    our options (``use_muon``, ``maximize``, the storage options), and no ``step`` (torch's Muon
+    keeps none). ``params`` and master weights as in ``to_torch_adamw``. A state dict with an
+    AdamW group is refused (torch.optim.Muon steps 2-D Muon parameters only): convert the Muon
+    part of a mixed optimizer by building it from the Muon groups alone."""
+    for index, saved in enumerate(state_dict["param_groups"]):
+        if not saved.get("use_muon", "momentum" in saved):
+            raise ValueError(
+                f"to_torch_muon: parameter group {index} is an AdamW group (its options: "
+                f"{', '.join(k for k in saved if k != 'params')}): torch.optim.Muon keeps Muon groups only")
+
+    def torch_group(saved: dict) -> dict:
+        return {k: v for k, v in saved.items() if k not in (*LOWBIT_GROUP_KEYS, "use_muon", "maximize")}
+
+    return _dequantized_state_dict(state_dict, params, torch_group, keep_step=False)
+
+
+def _dequantized_state_dict(state_dict, params, torch_group, *, keep_step: bool) -> dict:
+    """``state_dict`` with every moment as float32 values, each group as ``torch_group`` makes
+    it (LRs as Python floats), and master weight corrections exported as ``to_torch_adamw``
+    says."""
     ids = [saved_id for saved in state_dict["param_groups"] for saved_id in saved["params"]]
     has_corrections = any(CORRECTION_KEY in entry for entry in state_dict["state"].values())
     params = None if params is None else list(params)
@@ -192,12 +237,10 @@ def to_torch_adamw(state_dict, *, params=None) -> dict:
     param_of = dict(zip(ids, params)) if has_corrections else {}
     groups = []
     for saved in state_dict["param_groups"]:
-        group = {k: v for k, v in saved.items() if k not in LOWBIT_GROUP_KEYS}
-        group.setdefault("decoupled_weight_decay", True)  # saved before it was a group option
+        group = torch_group(saved)
         for key in ("lr", "initial_lr"):
             if isinstance(group.get(key), torch.Tensor):
                 group[key] = float(group[key])
-        group.update(TORCH_ADAMW_GROUP_OPTIONS)
         groups.append(group)
     state, master_weights = {}, {}
     for saved_id, entry in state_dict["state"].items():
@@ -206,6 +249,8 @@ def to_torch_adamw(state_dict, *, params=None) -> dict:
             if key == CORRECTION_KEY:
                 param = local(param_of[saved_id]).detach()
                 master_weights[saved_id] = read_master(param, local(value)).clone()
+                continue
+            if key == "step" and not keep_step:
                 continue
             if isinstance(value, STORED_MOMENTS):
                 value = value.dequantize(torch.float32)
