@@ -44,6 +44,7 @@ from lowbit_optim import (  # noqa: E402
     master_weights_state_dict,
 )
 from lowbit_optim.integrations.transformers import (  # noqa: E402
+    MUON_OFFLOAD_OPTIMIZERS,
     MUON_OPTIMIZERS,
     OFFLOAD_OPTIMIZERS,
     OPTIMIZERS,
@@ -58,7 +59,9 @@ STEPS, SAVE_AT, ACCUMULATION, MAX_GRAD_NORM = 20, 10, 2, 2.0
 BUILDS = {
     **{name: (cls, {}) for name, cls in OPTIMIZERS.items()},
     **{name: (CPUOffloadOptimizer, {"optimizer_class": cls}) for name, cls in OFFLOAD_OPTIMIZERS.items()},
-    **{name: (cls, {}) for name, cls in MUON_OPTIMIZERS.items()},  # tests/test_huggingface_muon.py
+    # tests/test_huggingface_muon.py
+    **{name: (cls, {}) for name, cls in MUON_OPTIMIZERS.items()},
+    **{name: (CPUOffloadOptimizer, {"optimizer_class": c}) for name, c in MUON_OFFLOAD_OPTIMIZERS.items()},
 }
 
 

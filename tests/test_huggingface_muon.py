@@ -15,8 +15,12 @@ transformers = pytest.importorskip("transformers")
 from test_huggingface import byte_dataset, inner, step_logs, tiny_gpt2, training_args  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from lowbit_optim import Muon4bit, QuantizedState  # noqa: E402
-from lowbit_optim.integrations.transformers import MUON_OPTIMIZERS, register  # noqa: E402
+from lowbit_optim import CPUOffloadOptimizer, Muon4bit, QuantizedState  # noqa: E402
+from lowbit_optim.integrations.transformers import (  # noqa: E402
+    MUON_OFFLOAD_OPTIMIZERS,
+    MUON_OPTIMIZERS,
+    register,
+)
 
 STEPS = 3
 
@@ -39,16 +43,30 @@ def hidden_matrix_names(model) -> set[str]:
     return {name for name, param in model.named_parameters() if param.ndim == 2 and ".h." in name}
 
 
-@pytest.mark.parametrize("optim", slow_except(list(MUON_OPTIMIZERS), "lowbit_muon_8bit"))
-def test_trainer_with_a_muon_string_splits_the_model_and_trains(tmp_path, optim):
-    args = training_args(tmp_path, optim=optim, optim_args="backend=eager", max_steps=STEPS,
+def train_with(tmp_path, optim: str) -> Trainer:
+    args = training_args(tmp_path / optim, optim=optim, optim_args="backend=eager", max_steps=STEPS,
                          gradient_accumulation_steps=1, save_strategy="no", warmup_steps=0)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=byte_dataset(40))
     trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("optim", slow_except([*MUON_OPTIMIZERS, *MUON_OFFLOAD_OPTIMIZERS],
+                                              "lowbit_muon_8bit"))
+def test_trainer_with_a_muon_string_splits_the_model_and_trains(tmp_path, optim):
+    trainer = train_with(tmp_path, optim)
     optimizer = inner(trainer.optimizer)
-    assert type(optimizer) is MUON_OPTIMIZERS[optim]
+    if optim in MUON_OFFLOAD_OPTIMIZERS:  # the same class, stepped on the host: the same result
+        assert type(optimizer) is CPUOffloadOptimizer
+        plain = train_with(tmp_path, optim.removesuffix("_offload"))
+        for (name, expected), actual in zip(plain.model.named_parameters(), trainer.model.parameters()):
+            assert torch.equal(actual, expected), name
+        optimizer = optimizer.host_optimizer
+    assert type(optimizer) is {**MUON_OPTIMIZERS, **MUON_OFFLOAD_OPTIMIZERS}[optim]
     model = trainer.model
-    names = {id(param): name for name, param in model.named_parameters()}  # lm_head is tied to wte
+    # What the optimizer keys its groups and state by: an offloaded parameter's host copy.
+    host = getattr(inner(trainer.optimizer), "host_param", lambda param: param)
+    names = {id(host(param)): name for name, param in model.named_parameters()}  # lm_head is wte
     by_rule = {use_muon: {names[id(p)] for group in optimizer.param_groups if group["use_muon"] == use_muon
                           for p in group["params"]} for use_muon in (True, False)}
     muon, adamw = by_rule[True], by_rule[False]
@@ -66,9 +84,9 @@ def test_trainer_with_a_muon_string_splits_the_model_and_trains(tmp_path, optim)
     # One schedule, one LR for both parts (the same float in every group at every step).
     assert len({group["lr"] for group in optimizer.param_groups}) == 1
     for param in model.parameters():
-        state = optimizer.state[param]
+        state = optimizer.state[host(param)]
         assert int(state["step"]) == STEPS
-        if names[id(param)] in muon:
+        if names[id(host(param))] in muon:
             assert set(state) == {"step", "momentum_buffer"}
             assert isinstance(state["momentum_buffer"], QuantizedState) == (param.numel() >= 4096)
         else:

@@ -7,7 +7,8 @@
 ``"lowbit_muon_8bit"`` and ``"lowbit_muon_4bit"`` (``Muon8bit``, ``Muon4bit``) split the model
 themselves: Muon for the hidden 2-D weights, the low-bit AdamW for embeddings, the output head
 and 1-D parameters (``muon_param_groups``), with Trainer's weight decay rule (none on biases and
-norms) and one learning rate for both parts (``adjust_lr_fn="match_rms_adamw"``).
+norms) and one learning rate for both parts (``adjust_lr_fn="match_rms_adamw"``); their
+``_offload`` variants step them on the host.
 
 Each AdamW, Lion and AdEMAMix name has an ``_offload`` variant (``"lowbit_adamw_8bit_offload"``,
 ``"lowbit_adamw_4bit_offload"``, ``"lowbit_adamw_4bit_factored_offload"``,
@@ -67,6 +68,9 @@ MUON_OPTIMIZERS = {
     "lowbit_muon_8bit": Muon8bit,
     "lowbit_muon_4bit": Muon4bit,
 }
+# The same classes stepped on the host by CPUOffloadOptimizer (the split is made on the model's
+# parameters before they are offloaded).
+MUON_OFFLOAD_OPTIMIZERS = {f"{name}_offload": cls for name, cls in MUON_OPTIMIZERS.items()}
 # Muon's step size scaled so that its update's RMS matches AdamW's: TrainingArguments has one
 # learning_rate, and with this scale AdamW's suits both parts ("Muon is Scalable for LLM
 # Training", arXiv 2502.16982, which trains Moonlight with one LR this way).
@@ -202,10 +206,10 @@ def _trainer_muon_groups(model, weight_decay: float) -> list[dict]:
     return groups
 
 
-def _make_muon_handler(optimizer_cls):
+def _make_muon_handler(optimizer_cls, *, offload: bool):
     def handler(ctx):
-        """As the plain handler, with the model's Muon/AdamW split as ``params`` (which
-        Trainer uses instead of its own groups)."""
+        """As the plain (or offload) handler, with the model's Muon/AdamW split as ``params``
+        (which Trainer uses instead of its own groups)."""
         optim = getattr(ctx.args.optim, "value", ctx.args.optim)
         if ctx.model is None:
             raise ValueError(f"optim={optim!r} splits the model's parameters between Muon and AdamW, so it "
@@ -214,11 +218,15 @@ def _make_muon_handler(optimizer_cls):
         kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay,
                       adjust_lr_fn=TRAINER_ADJUST_LR_FN, adamw_betas=(args.adam_beta1, args.adam_beta2),
                       adamw_eps=args.adam_epsilon)
-        supported = {**OPTIM_ARGS, **RULE_OPTIM_ARGS["muon"]}
+        supported = {**(OFFLOAD_OPTIM_ARGS if offload else OPTIM_ARGS), **RULE_OPTIM_ARGS["muon"]}
         kwargs.update(parse_optim_args(ctx.optim_args, optim, supported=supported))
-        return optimizer_cls, {"params": _trainer_muon_groups(ctx.model, args.weight_decay), **kwargs}
+        kwargs["params"] = _trainer_muon_groups(ctx.model, args.weight_decay)
+        if offload:
+            return CPUOffloadOptimizer, {"optimizer_class": optimizer_cls, **kwargs}
+        return optimizer_cls, kwargs
 
-    handler.__name__ = handler.__qualname__ = f"lowbit_optim_{optimizer_cls.__name__}_handler"
+    kind = "offload_" if offload else ""
+    handler.__name__ = handler.__qualname__ = f"lowbit_optim_{kind}{optimizer_cls.__name__}_handler"
     handler.lowbit_optim_handler = True
     return handler
 
@@ -238,7 +246,10 @@ def _make_offload_handler(optimizer_cls):
 _HANDLERS = {name: _make_handler(optimizer_cls) for name, optimizer_cls in OPTIMIZERS.items()}
 _HANDLERS.update({name: _make_offload_handler(optimizer_cls)
                   for name, optimizer_cls in OFFLOAD_OPTIMIZERS.items()})
-_HANDLERS.update({name: _make_muon_handler(optimizer_cls) for name, optimizer_cls in MUON_OPTIMIZERS.items()})
+_HANDLERS.update({name: _make_muon_handler(optimizer_cls, offload=False)
+                  for name, optimizer_cls in MUON_OPTIMIZERS.items()})
+_HANDLERS.update({name: _make_muon_handler(optimizer_cls, offload=True)
+                  for name, optimizer_cls in MUON_OFFLOAD_OPTIMIZERS.items()})
 
 
 def _transformers_parts():
@@ -296,13 +307,12 @@ def _add_member(enum_cls, name: str, value: str):
 def register() -> tuple[str, ...]:
     """Make ``TrainingArguments(optim=...)`` accept the names of ``OPTIMIZERS``
     (``"lowbit_adamw_8bit"``, ``"lowbit_adamw_4bit"``, ...) and the ``_offload`` variants
-    (``OFFLOAD_OPTIMIZERS``) and the Muon names (``MUON_OPTIMIZERS``).
+    (``OFFLOAD_OPTIMIZERS``) and the Muon names (``MUON_OPTIMIZERS``, ``MUON_OFFLOAD_OPTIMIZERS``).
     Idempotent; imports transformers. Call it before building ``TrainingArguments`` or an
     ``HfArgumentParser`` (the parser reads its ``--optim`` choices when it is built). Returns
-    the names of ``OPTIMIZERS``; those of ``OFFLOAD_OPTIMIZERS`` and ``MUON_OPTIMIZERS`` are
-    registered with them."""
+    the names of ``OPTIMIZERS``; the other names are registered with them."""
     optimizer_names, handlers = _transformers_parts()
-    for value in (*OPTIMIZERS, *OFFLOAD_OPTIMIZERS, *MUON_OPTIMIZERS):
+    for value in (*OPTIMIZERS, *OFFLOAD_OPTIMIZERS, *MUON_OPTIMIZERS, *MUON_OFFLOAD_OPTIMIZERS):
         existing = optimizer_names._value2member_map_.get(value)
         if existing is not None and existing in handlers and not getattr(
             handlers[existing], "lowbit_optim_handler", False
