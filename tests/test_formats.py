@@ -19,6 +19,7 @@ from lowbit_optim.formats.catalog import (
     FLOAT8_NONZERO,
     FORMATS,
     LINEAR_4BIT_NONZERO,
+    NORMAL_4BIT_SIGNED,
     get_format,
 )
 from lowbit_optim.state import QuantizedState
@@ -47,6 +48,8 @@ MAX_ERROR_PER_ABSMAX = {
     # e4m3fn's top binade [256, 448] is 32 apart: half of it, of 448.
     FLOAT8.name: 16 / 448 * 1.001,
     FLOAT8_NONZERO.name: 16 / 448 * 1.001,
+    # NF4's widest gap is its bottom one, -1 to -0.6962: half of it.
+    NORMAL_4BIT_SIGNED.name: float(NORMAL_4BIT_SIGNED.table.diff().max()) / 2 * 1.001,
 }
 
 

@@ -10,11 +10,11 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "lowbit_optim"
 
-# Bottom to top. ``reference`` holds plain-PyTorch references over the formats (the oracle of a
-# rule still to be built on the step); ``lowbit_optim.functional`` re-exports the functional API;
-# ``lowbit_optim`` itself (its __init__, the public names) sits just below ``bench``, the one
-# sub-package that may use the public API as a user would.
-LAYERS = ["formats", "reference", "state", "step", "checkpoint", "optim", "offload", "integrations",
+# Bottom to top. ``reference`` holds plain-PyTorch references over the formats and the step's
+# shared math (Muon's oracle uses the step's Newton-Schulz); ``lowbit_optim.functional``
+# re-exports the functional API; ``lowbit_optim`` itself (its __init__, the public names) sits
+# just below ``bench``, the one sub-package that may use the public API as a user would.
+LAYERS = ["formats", "state", "step", "reference", "checkpoint", "optim", "offload", "integrations",
           "functional", "", "bench"]
 
 # Imports inside functions are for optional dependencies only: the third-party packages a

@@ -78,11 +78,14 @@ def test_muon_with_float_momentum_leaves_torch_muon_with_another_momentum():
     assert not torch.equal(actual[0], expected[0])
 
 
-def test_code_written_for_torch_muon_runs_unchanged_with_positional_arguments():
-    args = (0.02, 0.05, 0.9, False, (3.4, -4.7, 2.0), 1e-6, 4, "match_rms_adamw")
+def test_code_written_for_torch_muon_runs_unchanged_with_its_arguments():
+    """torch.optim.Muon's first six arguments positionally, the rest by name (keyword-only here:
+    at most six positional arguments, tests/test_signatures.py)."""
+    args = (0.02, 0.05, 0.9, False, (3.4, -4.7, 2.0))
+    keywords = dict(eps=1e-6, ns_steps=4, adjust_lr_fn="match_rms_adamw")
     expected, actual = matrices(), matrices()
-    train(expected, torch.optim.Muon(expected, *args))
-    train(actual, Muon4bit(actual, *args, **FLOAT_MOMENTUM))
+    train(expected, torch.optim.Muon(expected, *args, **keywords))
+    train(actual, Muon4bit(actual, *args, **keywords, **FLOAT_MOMENTUM))
     for want, got in zip(expected, actual):
         assert torch.equal(got, want)
 

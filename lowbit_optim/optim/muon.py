@@ -29,7 +29,7 @@ class _LowBitMuon(LowBitOptimizer):
     momentum_format: QuantFormat
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+                 ns_coefficients=NS_COEFFICIENTS, *, eps=1e-7, ns_steps=5, adjust_lr_fn=None,
                  adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=None,
                  maximize=False, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
                  master_weight_bits=None, backend=None):
@@ -86,14 +86,16 @@ class _LowBitMuon(LowBitOptimizer):
         parts = [self._group_with_defaults(part) for part in muon_param_groups([param_group])]
         for part in parts:
             self._check_group({**self.defaults, **part})
-            if part["use_muon"]:
-                params = part["params"]
-                for entry in [params] if isinstance(params, torch.Tensor) else params:
-                    param = entry[1] if isinstance(entry, tuple) else entry
-                    if isinstance(param, torch.Tensor) and param.dim() != 2:
-                        name = f" ({entry[0]!r})" if isinstance(entry, tuple) else ""
-                        raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter"
-                                         f"{name} with size: {param.size()} (give it use_muon=False)")
+            for entry in part["params"]:
+                param = entry[1] if isinstance(entry, tuple) else entry
+                if not isinstance(param, torch.Tensor):
+                    continue  # torch refuses it, with its own message
+                self._check_param(param)
+                if part["use_muon"] and param.dim() != 2:
+                    name = f" ({entry[0]!r})" if isinstance(entry, tuple) else ""
+                    raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter"
+                                     f"{name} with size: {param.size()} (give it use_muon=False)")
+        self._refuse_duplicates([entry for part in parts for entry in part["params"]])
         for part in parts:
             super().add_param_group(part)
 
@@ -113,12 +115,13 @@ class Muon8bit(_LowBitMuon):
     for the parameters Muon is not for.
 
     ``Muon8bit(params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-    ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+    ns_coefficients=(3.4445, -4.775, 2.0315), *, eps=1e-7, ns_steps=5, adjust_lr_fn=None,
     adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=None,
     maximize=False, block_size=256, min_quant_size=4096, bf16_stochastic_round=False,
-    master_weight_bits=None, backend=None)``: torch.optim.Muon's arguments, then the AdamW
-    part's (``None``: the same as ``lr``, ``weight_decay``) and the storage options every class
-    of the package takes.
+    master_weight_bits=None, backend=None)``: torch.optim.Muon's arguments and defaults (its
+    last three keyword-only here: the package's functions take at most six positional
+    arguments), then the AdamW part's (``None``: the same as ``lr``, ``weight_decay``) and the
+    storage options every class of the package takes.
 
     ``params``: a module, ``named_parameters()``, parameters or param-group dicts. A group
     with ``use_muon`` runs the rule it says (``True`` needs 2-D parameters); everything else is

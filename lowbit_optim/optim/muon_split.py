@@ -51,11 +51,19 @@ def _takes_muon(entry, adamw_ids: set[int]) -> bool:
     return not (isinstance(entry, tuple) and is_head_or_embedding_name(entry[0]))
 
 
+def _param_list(params) -> list:
+    """A group's ``params`` as a list (a generator is consumed once, here). A set is refused
+    as torch refuses it: its order, and so the state's, changes between runs."""
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                        "ordering of tensors in sets will change between runs. Please use a list instead.")
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
 def _split_group(group: dict, adamw_ids: set[int]) -> list[dict]:
     """A group without ``use_muon``: its Muon part and its AdamW part, each with the group's
     other keys, in that order; an empty part is dropped."""
-    params = group["params"]
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    params = _param_list(group["params"])
     chosen = [_takes_muon(entry, adamw_ids) for entry in params]
     parts = []
     for use_muon in (True, False):
@@ -99,7 +107,7 @@ def muon_param_groups(params) -> list[dict]:
     groups = []
     for group in params:
         if "use_muon" in group:
-            groups.append(dict(group))
+            groups.append({**group, "params": _param_list(group["params"])})
         else:
             groups.extend(_split_group(group, adamw_ids))
     return groups
