@@ -65,6 +65,7 @@ class MuonPlan:
         ns_steps, eps = int(scalars.ns_steps), float(scalars.eps)
         adjust_lr_fn = ADJUST_LR_FNS[int(scalars.adjust_lr_fn)]
         direction_options = options._replace(stochastic_round=False)
+
         def newton_schulz(update: torch.Tensor) -> torch.Tensor:
             return zeropower_via_newtonschulz(update, coefficients, ns_steps, eps)
 

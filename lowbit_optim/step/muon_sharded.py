@@ -13,7 +13,7 @@ element: it orthogonalises the whole matrix. So for a sharded parameter each ran
    slice, no communication) and updates its parameter shard with them.
 
 Newton-Schulz runs in bf16 and its first operation rounds the direction to bf16
-(``lowbit_optim.reference.muon.zeropower_via_newtonschulz``, as ``torch.optim.Muon``), so
+(``lowbit_optim.step.newton_schulz``, as ``torch.optim.Muon``), so
 gathering bf16 instead of float32 loses nothing: the gathered matrix is the very one a single
 process orthogonalises. The low-bit momentum itself is never gathered.
 
@@ -46,4 +46,3 @@ def orthogonalize(direction: torch.Tensor, param: torch.Tensor,
     ortho = newton_schulz(whole)
     replicated = DTensor.from_local(ortho, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, param.placements).to_local()
-
