@@ -92,11 +92,7 @@ def _parse_bool(value: str) -> bool:
     raise ValueError(f"expected one of {_TRUE + _FALSE}")
 
 
-def _parse_backend(value: str) -> str | None:
-    return None if value.lower() == "none" else value
-
-
-def _parse_adjust_lr_fn(value: str) -> str | None:
+def _parse_optional_string(value: str) -> str | None:
     return None if value.lower() == "none" else value
 
 
@@ -107,7 +103,7 @@ OPTIM_ARGS = {
     "min_quant_size": ("an int", _parse_int),
     "bf16_stochastic_round": ("a bool (true/false)", _parse_bool),
     "master_weight_bits": ("24 or 32", _parse_int),
-    "backend": ('"compile", "eager" or "none"', _parse_backend),
+    "backend": ('"compile", "eager" or "none"', _parse_optional_string),
 }
 # Each update rule's own options, with transformers' names for bitsandbytes' AdEMAMix
 # ("optim_args='beta3=0.9999,alpha=8,t_alpha=10000,t_beta3=10000'").
@@ -119,7 +115,7 @@ RULE_OPTIM_ARGS = {
     # torch.optim.Muon's own; eps is Newton-Schulz's (adam_epsilon is the AdamW part's).
     "muon": {"momentum": ("a float", float), "nesterov": ("a bool (true/false)", _parse_bool),
              "ns_steps": ("an int", _parse_int), "eps": ("a float", float),
-             "adjust_lr_fn": ('"original", "match_rms_adamw" or "none"', _parse_adjust_lr_fn)},
+             "adjust_lr_fn": ('"original", "match_rms_adamw" or "none"', _parse_optional_string)},
 }
 OFFLOAD_OPTIM_ARGS = {**OPTIM_ARGS, "offload_gradients": ("a bool (true/false)", _parse_bool)}
 # AdEMAMix's slow EMA when optim_args do not say (bitsandbytes' and transformers' default).
