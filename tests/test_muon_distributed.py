@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port, seeded_mlp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
@@ -74,15 +75,18 @@ def _worker(rank: int, port: int, out: str) -> None:
         fully_shard(model)
         optimizer = cls(model, **OPTIONS)
         step_with(model, optimizer, inputs["grads"])
+        full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
         results[name] = {
             "params": {key: param.full_tensor().clone() for key, param in model.named_parameters()},
+            "momenta": {key: entry["momentum_buffer"].clone() for key, entry in full["state"].items()
+                        if "momentum_buffer" in entry},
             "momentum": type(optimizer.state[model[0].weight]["momentum_buffer"].to_local()).__name__,
         }
     if rank == 0:
         torch.save(results, Path(out) / "results.pt")
     # FSDP2's modules hold gloo work: freed after the group is torn down they can abort the
     # process (pytorch/pytorch#179291), so they go first.
-    del model, optimizer
+    del model, optimizer, full
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -125,6 +129,13 @@ def test_fsdp2_muon_trains_like_a_single_process_bit_for_bit(fsdp_runs, name):
     step_with(model, optimizer, inputs["grads"])
     assert isinstance(optimizer.state[model[0].weight]["momentum_buffer"], QuantizedState)
     assert results[name]["momentum"] == "QuantizedState"  # each rank holds quantized shards
+    # A full state dict gathers the momentum's values (dequantized), the single process's.
+    names = {id(param): key for key, param in model.named_parameters()}
+    expected_momenta = {names[id(param)]: state["momentum_buffer"].dequantize(torch.float32)
+                        for param, state in optimizer.state.items() if "momentum_buffer" in state}
+    assert results[name]["momenta"].keys() == expected_momenta.keys() == {"0.weight", "2.weight"}
+    for key, expected in expected_momenta.items():
+        assert torch.equal(results[name]["momenta"][key], expected), key
     moved = 0.0
     for key, param in model.named_parameters():
         assert torch.equal(results[name]["params"][key], param.detach()), key
