@@ -43,7 +43,13 @@ from lowbit_optim import (  # noqa: E402
     QuantizedState,
     master_weights_state_dict,
 )
-from lowbit_optim.integrations.transformers import OFFLOAD_OPTIMIZERS, OPTIMIZERS, register  # noqa: E402
+from lowbit_optim.integrations.transformers import (  # noqa: E402
+    MUON_OFFLOAD_OPTIMIZERS,
+    MUON_OPTIMIZERS,
+    OFFLOAD_OPTIMIZERS,
+    OPTIMIZERS,
+    register,
+)
 from lowbit_optim.step.dispatch import resolve_backend  # noqa: E402
 from lowbit_optim.step.master_weights import CORRECTION_KEY  # noqa: E402
 
@@ -53,6 +59,9 @@ STEPS, SAVE_AT, ACCUMULATION, MAX_GRAD_NORM = 20, 10, 2, 2.0
 BUILDS = {
     **{name: (cls, {}) for name, cls in OPTIMIZERS.items()},
     **{name: (CPUOffloadOptimizer, {"optimizer_class": cls}) for name, cls in OFFLOAD_OPTIMIZERS.items()},
+    # tests/test_huggingface_muon.py
+    **{name: (cls, {}) for name, cls in MUON_OPTIMIZERS.items()},
+    **{name: (CPUOffloadOptimizer, {"optimizer_class": c}) for name, c in MUON_OFFLOAD_OPTIMIZERS.items()},
 }
 
 
@@ -206,7 +215,7 @@ def test_training_arguments_accept_names_and_type_optim_args(tmp_path, name):
                           **handler_kwargs)
 
 
-@pytest.mark.parametrize("name", [name for name in BUILDS if rule_of(name) != "adamw"])
+@pytest.mark.parametrize("name", [name for name in BUILDS if rule_of(name) in ("lion", "ademamix")])
 def test_lion_and_ademamix_names_take_their_rules_arguments(tmp_path, name):
     """As transformers' own bitsandbytes Lion and AdEMAMix names: Lion takes adam_beta1/2 as its
     betas and no eps; AdEMAMix a third beta, alpha and the warm-up lengths from optim_args."""

@@ -79,14 +79,15 @@ INTERRUPTED = 130
 def optimizer_groups() -> dict[str, list[str]]:
     """Every optimizer name, grouped as ``--list-optimizers`` prints them."""
     groups = {"fp32 references": [], "lowbit_optim AdamW": [], "lowbit_optim Lion": [],
-              "lowbit_optim AdEMAMix": [], "torchao": [], "bitsandbytes": []}
+              "lowbit_optim AdEMAMix": [], "lowbit_optim Muon": [], "torchao": [], "bitsandbytes": []}
     for name, spec in harness.OPTIMIZERS.items():
-        if name.startswith("torch_") or name.endswith("_32bit"):
+        if name.startswith("torch_") or name.endswith("_32bit") or name == "muon":
             groups["fp32 references"].append(name)
         elif spec.package is not None:
             groups[spec.package].append(name)
         else:
-            rule = "Lion" if "_lion_" in name else "AdEMAMix" if "_ademamix_" in name else "AdamW"
+            rule = ("Lion" if "_lion_" in name else "AdEMAMix" if "_ademamix_" in name
+                    else "Muon" if name.startswith("muon") else "AdamW")
             groups[f"lowbit_optim {rule}"].append(name)
     return groups
 

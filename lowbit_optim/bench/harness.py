@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch._dynamo.utils import counters
 
+from lowbit_optim.bench.torch_muon import TorchMuonWithAdamW
 from lowbit_optim.formats.catalog import DYNAMIC_8BIT_UNSIGNED, DYNAMIC_8BIT_UNSIGNED_EDGES_KEPT
 from lowbit_optim.optim import (
     AdamW4bit,
@@ -32,6 +33,9 @@ from lowbit_optim.optim import (
     AdEMAMix8bit,
     Lion4bit,
     Lion8bit,
+    Muon4bit,
+    Muon8bit,
+    muon_param_groups,
 )
 
 
@@ -47,6 +51,9 @@ class OptimizerSpec:
     reference: str | None = None
     # The parameters' dtype this row always trains in; None: the run's ``--param-dtype``.
     param_dtype: str | None = None
+    # ``build`` takes the model itself, not its parameters: Muon splits it by module (hidden
+    # matrices to Muon; embeddings, head, norms and biases to AdamW).
+    takes_module: bool = False
 
 
 def _torchao(class_name: str):
@@ -128,6 +135,34 @@ _BFLOAT16_ROWS = tuple(
 )
 
 
+# Muon rows: the run's one LR for both parts, Muon's scaled by "match_rms_adamw" (its update's
+# RMS then matches AdamW's, so AdamW's LR suits it: arXiv 2502.16982), the run's betas and
+# weight decay for the AdamW part. "muon" is torch's Muon and fp32 AdamW on the same split.
+MUON_ADJUST_LR_FN = "match_rms_adamw"
+
+
+def _torch_muon(model, *, lr, betas, weight_decay):
+    groups = muon_param_groups(model)
+    return TorchMuonWithAdamW([p for g in groups if g["use_muon"] for p in g["params"]],
+                              [p for g in groups if not g["use_muon"] for p in g["params"]],
+                              lr=lr, betas=betas, weight_decay=weight_decay, adjust_lr_fn=MUON_ADJUST_LR_FN)
+
+
+def _lowbit_muon(cls):
+    def build(model, *, lr, betas, weight_decay):
+        return cls(model, lr=lr, weight_decay=weight_decay, adjust_lr_fn=MUON_ADJUST_LR_FN, adamw_betas=betas)
+    return build
+
+
+_MUON_ROWS = (
+    OptimizerSpec("muon", "torch Muon + AdamW (fp32)", None, _torch_muon, takes_module=True),
+    OptimizerSpec("muon8bit", "lowbit_optim Muon8bit", None, _lowbit_muon(Muon8bit), reference="muon",
+                  takes_module=True),
+    OptimizerSpec("muon4bit", "lowbit_optim Muon4bit", None, _lowbit_muon(Muon4bit), reference="muon",
+                  takes_module=True),
+)
+
+
 class _ZeroMapAdamW8bit(AdamW8bit):
     """Ablation: AdamW8bit with bitsandbytes' plain unsigned second-moment map, whose code 0
     is 0 (the zero-point hazard that ``AdamW8bit``'s zero-free map removes)."""
@@ -173,6 +208,7 @@ OPTIMIZERS = {
         OptimizerSpec("bnb_8bit", "bitsandbytes AdamW8bit", "bitsandbytes", _bnb("AdamW8bit")),
         *(OptimizerSpec(*row) for row in _RULE_ROWS),
         *_RULE_COMPILE_ROWS,
+        *_MUON_ROWS,
     )
 }
 # ``--optimizers rules``: Lion and AdEMAMix, ours and bitsandbytes', each with its fp32 reference.

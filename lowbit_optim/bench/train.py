@@ -127,9 +127,11 @@ class TrainingRun:
     def __init__(self, name: str, config: TrainConfig, corpus: Corpus, device: torch.device):
         self.name, self.config, self.corpus, self.device = name, config, corpus, device
         with self._own_random_stream(seeded=True):
-            self.param_dtype = harness.OPTIMIZERS[name].param_dtype or config.param_dtype
+            spec = harness.OPTIMIZERS[name]
+            self.param_dtype = spec.param_dtype or config.param_dtype
             self.model = ByteGPT(config.model).to(device=device, dtype=getattr(torch, self.param_dtype))
-            self.optimizer = harness.make_optimizer(name, self.model.parameters(), lr=config.lr,
+            params = self.model if spec.takes_module else self.model.parameters()
+            self.optimizer = harness.make_optimizer(name, params, lr=config.lr,
                                                     betas=config.betas, weight_decay=config.weight_decay)
             self.scheduler = LambdaLR(self.optimizer, warmup_cosine(config))
             if config.release_gradients:

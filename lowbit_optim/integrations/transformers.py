@@ -4,10 +4,17 @@
     register()
     args = TrainingArguments(..., optim="lowbit_adamw_4bit", optim_args="block_size=128")
 
-Each name has an ``_offload`` variant (``"lowbit_adamw_8bit_offload"``, ``"lowbit_adamw_4bit_offload"``,
-``"lowbit_adamw_4bit_factored_offload"``, ``"lowbit_adamw_fp8_offload"``) that trains with the
-state and the step on the host (``CPUOffloadOptimizer``, docs/offload.md); their ``optim_args``
-also take ``offload_gradients=true``.
+``"lowbit_muon_8bit"`` and ``"lowbit_muon_4bit"`` (``Muon8bit``, ``Muon4bit``) split the model
+themselves: Muon for the hidden 2-D weights, the low-bit AdamW for embeddings, the output head
+and 1-D parameters (``muon_param_groups``), with Trainer's weight decay rule (none on biases and
+norms) and one learning rate for both parts (``adjust_lr_fn="match_rms_adamw"``); their
+``_offload`` variants step them on the host.
+
+Each AdamW, Lion and AdEMAMix name has an ``_offload`` variant (``"lowbit_adamw_8bit_offload"``,
+``"lowbit_adamw_4bit_offload"``, ``"lowbit_adamw_4bit_factored_offload"``,
+``"lowbit_adamw_fp8_offload"``, ...) that trains with the state and the step on the host
+(``CPUOffloadOptimizer``, docs/offload.md); their ``optim_args`` also take
+``offload_gradients=true``.
 
 transformers has no public registry of optimizer names. ``TrainingArguments`` converts
 ``optim`` into a member of the ``OptimizerNames`` enum (an unknown string raises), and
@@ -35,6 +42,8 @@ from lowbit_optim.offload.optimizer import CPUOffloadOptimizer
 from lowbit_optim.optim.adamw import AdamW4bit, AdamW8bit, AdamWFactored4bit, AdamWFp8
 from lowbit_optim.optim.ademamix import AdEMAMix4bit, AdEMAMix8bit
 from lowbit_optim.optim.lion import Lion4bit, Lion8bit
+from lowbit_optim.optim.muon import Muon4bit, Muon8bit
+from lowbit_optim.optim.muon_split import muon_param_groups
 
 # optim name -> optimizer class. Names carry the "lowbit_" prefix: transformers already uses
 # "adamw_8bit" (bitsandbytes) and "adamw_torch_4bit" (torchao).
@@ -54,6 +63,19 @@ OPTIMIZERS = {
 # offload, bit for bit).
 OFFLOAD_OPTIMIZERS = {f"{name}_offload": optimizer_cls for name, optimizer_cls in OPTIMIZERS.items()}
 
+# optim name -> Muon class: its handler gives Trainer the model's Muon/AdamW split as ``params``.
+MUON_OPTIMIZERS = {
+    "lowbit_muon_8bit": Muon8bit,
+    "lowbit_muon_4bit": Muon4bit,
+}
+# The same classes stepped on the host by CPUOffloadOptimizer (the split is made on the model's
+# parameters before they are offloaded).
+MUON_OFFLOAD_OPTIMIZERS = {f"{name}_offload": cls for name, cls in MUON_OPTIMIZERS.items()}
+# Muon's step size scaled so that its update's RMS matches AdamW's: TrainingArguments has one
+# learning_rate, and with this scale AdamW's suits both parts ("Muon is Scalable for LLM
+# Training", arXiv 2502.16982, which trains Moonlight with one LR this way).
+TRAINER_ADJUST_LR_FN = "match_rms_adamw"
+
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
 
@@ -70,7 +92,7 @@ def _parse_bool(value: str) -> bool:
     raise ValueError(f"expected one of {_TRUE + _FALSE}")
 
 
-def _parse_backend(value: str) -> str | None:
+def _parse_optional_string(value: str) -> str | None:
     return None if value.lower() == "none" else value
 
 
@@ -81,7 +103,7 @@ OPTIM_ARGS = {
     "min_quant_size": ("an int", _parse_int),
     "bf16_stochastic_round": ("a bool (true/false)", _parse_bool),
     "master_weight_bits": ("24 or 32", _parse_int),
-    "backend": ('"compile", "eager" or "none"', _parse_backend),
+    "backend": ('"compile", "eager" or "none"', _parse_optional_string),
 }
 # Each update rule's own options, with transformers' names for bitsandbytes' AdEMAMix
 # ("optim_args='beta3=0.9999,alpha=8,t_alpha=10000,t_beta3=10000'").
@@ -90,6 +112,10 @@ RULE_OPTIM_ARGS = {
     "lion": {},
     "ademamix": {"beta3": ("a float", float), "alpha": ("a float", float),
                  "t_alpha": ("an int", _parse_int), "t_beta3": ("an int", _parse_int)},
+    # torch.optim.Muon's own; eps is Newton-Schulz's (adam_epsilon is the AdamW part's).
+    "muon": {"momentum": ("a float", float), "nesterov": ("a bool (true/false)", _parse_bool),
+             "ns_steps": ("an int", _parse_int), "eps": ("a float", float),
+             "adjust_lr_fn": ('"original", "match_rms_adamw" or "none"', _parse_optional_string)},
 }
 OFFLOAD_OPTIM_ARGS = {**OPTIM_ARGS, "offload_gradients": ("a bool (true/false)", _parse_bool)}
 # AdEMAMix's slow EMA when optim_args do not say (bitsandbytes' and transformers' default).
@@ -154,6 +180,53 @@ def _make_handler(optimizer_cls):
     return handler
 
 
+def _trainer_muon_groups(model, weight_decay: float) -> list[dict]:
+    """The model's parameters that require gradients, in Trainer's two weight-decay groups
+    (``weight_decay`` for the names ``Trainer.get_decay_parameter_names`` gives, 0.0 for the
+    rest: biases and norms), each split into a Muon and an AdamW part by ``muon_param_groups``
+    (which needs the module: embeddings and the head are 2-D too)."""
+    from transformers import Trainer
+
+    muon_ids = {id(param) for group in muon_param_groups(model) if group["use_muon"]
+                for param in group["params"]}
+    # A method that reads only its model argument (transformers 5.x): Trainer's own rule.
+    decay_names = set(Trainer.get_decay_parameter_names(None, model))
+    groups = []
+    for decays in (True, False):
+        for use_muon in (True, False):
+            params = [param for name, param in model.named_parameters() if param.requires_grad
+                      and (name in decay_names) == decays and (id(param) in muon_ids) == use_muon]
+            if params:
+                groups.append({"params": params, "use_muon": use_muon,
+                               "weight_decay": weight_decay if decays else 0.0})
+    return groups
+
+
+def _make_muon_handler(optimizer_cls, *, offload: bool):
+    def handler(ctx):
+        """As the plain (or offload) handler, with the model's Muon/AdamW split as ``params``
+        (which Trainer uses instead of its own groups)."""
+        optim = getattr(ctx.args.optim, "value", ctx.args.optim)
+        if ctx.model is None:
+            raise ValueError(f"optim={optim!r} splits the model's parameters between Muon and AdamW, so it "
+                             "needs the model: Trainer.get_optimizer_cls_and_kwargs(args, model)")
+        args = ctx.args
+        kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay,
+                      adjust_lr_fn=TRAINER_ADJUST_LR_FN, adamw_betas=(args.adam_beta1, args.adam_beta2),
+                      adamw_eps=args.adam_epsilon)
+        supported = {**(OFFLOAD_OPTIM_ARGS if offload else OPTIM_ARGS), **RULE_OPTIM_ARGS["muon"]}
+        kwargs.update(parse_optim_args(ctx.optim_args, optim, supported=supported))
+        kwargs["params"] = _trainer_muon_groups(ctx.model, args.weight_decay)
+        if offload:
+            return CPUOffloadOptimizer, {"optimizer_class": optimizer_cls, **kwargs}
+        return optimizer_cls, kwargs
+
+    kind = "offload_" if offload else ""
+    handler.__name__ = handler.__qualname__ = f"lowbit_optim_{kind}{optimizer_cls.__name__}_handler"
+    handler.lowbit_optim_handler = True
+    return handler
+
+
 def _make_offload_handler(optimizer_cls):
     def handler(ctx):
         """As the plain handler, with ``CPUOffloadOptimizer`` stepping ``optimizer_cls``."""
@@ -169,6 +242,10 @@ def _make_offload_handler(optimizer_cls):
 _HANDLERS = {name: _make_handler(optimizer_cls) for name, optimizer_cls in OPTIMIZERS.items()}
 _HANDLERS.update({name: _make_offload_handler(optimizer_cls)
                   for name, optimizer_cls in OFFLOAD_OPTIMIZERS.items()})
+_HANDLERS.update({name: _make_muon_handler(optimizer_cls, offload=False)
+                  for name, optimizer_cls in MUON_OPTIMIZERS.items()})
+_HANDLERS.update({name: _make_muon_handler(optimizer_cls, offload=True)
+                  for name, optimizer_cls in MUON_OFFLOAD_OPTIMIZERS.items()})
 
 
 def _transformers_parts():
@@ -226,12 +303,12 @@ def _add_member(enum_cls, name: str, value: str):
 def register() -> tuple[str, ...]:
     """Make ``TrainingArguments(optim=...)`` accept the names of ``OPTIMIZERS``
     (``"lowbit_adamw_8bit"``, ``"lowbit_adamw_4bit"``, ...) and the ``_offload`` variants
-    (``OFFLOAD_OPTIMIZERS``).
+    (``OFFLOAD_OPTIMIZERS``) and the Muon names (``MUON_OPTIMIZERS``, ``MUON_OFFLOAD_OPTIMIZERS``).
     Idempotent; imports transformers. Call it before building ``TrainingArguments`` or an
     ``HfArgumentParser`` (the parser reads its ``--optim`` choices when it is built). Returns
-    the names of ``OPTIMIZERS``; those of ``OFFLOAD_OPTIMIZERS`` are registered with them."""
+    the names of ``OPTIMIZERS``; the other names are registered with them."""
     optimizer_names, handlers = _transformers_parts()
-    for value in (*OPTIMIZERS, *OFFLOAD_OPTIMIZERS):
+    for value in (*OPTIMIZERS, *OFFLOAD_OPTIMIZERS, *MUON_OPTIMIZERS, *MUON_OFFLOAD_OPTIMIZERS):
         existing = optimizer_names._value2member_map_.get(value)
         if existing is not None and existing in handlers and not getattr(
             handlers[existing], "lowbit_optim_handler", False

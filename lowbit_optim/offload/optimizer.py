@@ -40,6 +40,8 @@ from lowbit_optim.offload.gradient import HostGradient
 from lowbit_optim.offload.release import OffloadedSteps
 from lowbit_optim.offload.transfers import Transfers
 from lowbit_optim.optim.adamw import AdamW8bit
+from lowbit_optim.optim.muon import Muon4bit, Muon8bit
+from lowbit_optim.optim.muon_split import muon_param_groups
 
 
 @dataclass(eq=False)
@@ -103,6 +105,13 @@ class CPUOffloadOptimizer(Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
 
+        if isinstance(params, torch.nn.Module):
+            # Muon splits a module by its structure (embeddings, head), which the host copies
+            # no longer have: split the device parameters here, as Muon8bit(module) would.
+            if not issubclass(optimizer_class, (Muon8bit, Muon4bit)):
+                raise TypeError(f"CPUOffloadOptimizer takes a module only for Muon8bit/Muon4bit; pass "
+                                f"{type(params).__name__}.parameters() for {optimizer_class.__name__}")
+            params = muon_param_groups(params)
         if isinstance(params, torch.Tensor):
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             f"Tensors or dicts, but got {torch.typename(params)}")

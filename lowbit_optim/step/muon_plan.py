@@ -9,7 +9,8 @@ For each parameter, in order:
    backend: one fused pass in the C++ and Triton kernels). An element whose gradient is not
    finite keeps its momentum and, from the zeroed buffer, gets direction 0 (the shared
    policy); the buffer has no master weight and is rounded to nearest;
-2. Newton-Schulz on the whole direction (``newton_schulz``, in bf16, as torch.optim.Muon);
+2. Newton-Schulz on the whole direction (``newton_schulz``, in bf16, as torch.optim.Muon; an
+   FSDP2 shard's direction is gathered for it in bf16 first, ``muon_sharded``);
 3. the parameter write, ``p <- p (1 - lr weight_decay) - adjusted_lr O``: in place with
    torch.optim.Muon's two operations for float32 and float64 parameters (so a float-momentum
    trajectory is torch's bit for bit), else computed in float32 from the parameter (or its
@@ -29,6 +30,7 @@ from lowbit_optim.step.chunks import RuleEntry, TailScratch
 from lowbit_optim.step.hyperparams import StepOptions
 from lowbit_optim.step.master_weights import read_master, write_master
 from lowbit_optim.step.math import write_param
+from lowbit_optim.step.muon_sharded import orthogonalize
 from lowbit_optim.step.newton_schulz import ADJUST_LR_FNS, adjusted_lr, zeropower_via_newtonschulz
 from lowbit_optim.step.rule_step import RulePlan
 
@@ -37,7 +39,7 @@ class MuonPlan:
     """The Muon step of one param group's ``entries`` (module docstring); ``run`` as
     ``RulePlan.run``."""
 
-    def __init__(self, rule, entries: list[RuleEntry], backend: str):
+    def __init__(self, rule, entries: list[RuleEntry], backend: str, params: list[torch.Tensor]):
         for entry in entries:
             if entry.param.dim() != 2:
                 raise ValueError(f"{rule.name}: Muon steps 2-D parameters only, got one of shape "
@@ -53,6 +55,9 @@ class MuonPlan:
             direction = buffer[:entry.param.numel()].view(entry.param.shape)
             momentum_pass = RulePlan(rule, [entry._replace(param=direction, weight_correction=None)], backend)
             self.parts.append((entry._replace(grad=None), direction, momentum_pass))
+        # As the optimizer holds them: a DTensor (FSDP2) has its global shape, for the LR scale
+        # and for the gather that Newton-Schulz of a shard needs (``muon_sharded``).
+        self.params = params
 
     def run(self, grads: list[torch.Tensor], scalars, options: StepOptions, scratch: TailScratch) -> None:
         lr, weight_decay = float(scalars.lr), float(scalars.weight_decay)
@@ -60,12 +65,16 @@ class MuonPlan:
         ns_steps, eps = int(scalars.ns_steps), float(scalars.eps)
         adjust_lr_fn = ADJUST_LR_FNS[int(scalars.adjust_lr_fn)]
         direction_options = options._replace(stochastic_round=False)
+
+        def newton_schulz(update: torch.Tensor) -> torch.Tensor:
+            return zeropower_via_newtonschulz(update, coefficients, ns_steps, eps)
+
         for index, (entry, direction, momentum_pass) in enumerate(self.parts):
             direction.zero_()
             momentum_pass.run([grads[index]], scalars, direction_options, scratch)
-            ortho = zeropower_via_newtonschulz(direction, coefficients, ns_steps, eps)
+            ortho = orthogonalize(direction, self.params[index], newton_schulz)
             write_muon_param(entry.param, entry.weight_correction, ortho, decay=1 - lr * weight_decay,
-                             step_lr=adjusted_lr(lr, adjust_lr_fn, entry.param.shape),
+                             step_lr=adjusted_lr(lr, adjust_lr_fn, self.params[index].shape),
                              stochastic_round=options.stochastic_round)
 
 

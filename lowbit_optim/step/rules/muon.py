@@ -32,7 +32,6 @@ try:
 except ImportError:  # Triton is optional: without it the rule has no kernel piece
     triton = None
 
-from lowbit_optim.state import sharding
 from lowbit_optim.step.functional import StepCache, step_params
 from lowbit_optim.step.hyperparams import StepOptions, as_float, check_learning_rate
 from lowbit_optim.step.muon_plan import MuonPlan
@@ -156,11 +155,7 @@ class MuonRule(UpdateRule):
                                    float(constants.nesterov))
 
     def plan(self, entries, backend: str, params):
-        if any(map(sharding.is_dtensor, params)):
-            raise NotImplementedError(
-                "the Muon rule does not step FSDP2-sharded (DTensor) parameters: Newton-Schulz needs "
-                "the whole matrix")
-        return MuonPlan(self, entries, backend)
+        return MuonPlan(self, entries, backend, params)
 
 
 MUON = MuonRule()

@@ -1,0 +1,143 @@
+"""Muon under FSDP2 (gloo, 2 ranks on CPU): Newton-Schulz of a sharded parameter gathers the
+bf16 direction, orthogonalises the whole matrix and keeps each rank's rows, so every rank ends
+with exactly what a single process computes.
+
+``orthogonalize`` alone: weights 33 x 40 (rows shard 17/16) and 7 x 33 (4/3, a tall matrix that
+Newton-Schulz transposes), uneven shards in both orientations. ``Muon8bit``/``Muon4bit``: an
+MLP 64 -> 128 -> 40 whose weights have quantized momentum (each rank's rows, 64 x 64 and
+20 x 128, are whole blocks, so the codes are the single process's); the 128 x 64 one is tall, so
+its LR scale must come from the global shape, not the shard's; the biases take the AdamW part.
+The gradients are made once here and set on every rank's shards, no forward or backward (see
+tests/test_distributed.py for why): the result must be the single process's bit for bit.
+"""
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import free_port, seeded_mlp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+
+from lowbit_optim import Muon4bit, Muon8bit, QuantizedState
+from lowbit_optim.state.sharding import wrap_like
+from lowbit_optim.step.muon_sharded import orthogonalize
+from lowbit_optim.step.newton_schulz import NS_COEFFICIENTS, zeropower_via_newtonschulz
+
+# Slow tier: spawned 2-rank process groups.
+pytestmark = pytest.mark.slow
+
+NS_WIDTHS = (40, 33, 7)
+MLP_WIDTHS = (64, 128, 40)
+CLASSES = {"Muon8bit": Muon8bit, "Muon4bit": Muon4bit}
+OPTIONS = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2)
+STEPS = 3
+
+
+def newton_schulz(update: torch.Tensor) -> torch.Tensor:
+    return zeropower_via_newtonschulz(update, NS_COEFFICIENTS, 5, 1e-7)
+
+
+def weights(model) -> dict:
+    return {name: param for name, param in model.named_parameters() if param.ndim == 2}
+
+
+def step_with(model, optimizer, grads: list[dict]) -> None:
+    for step_grads in grads:
+        for name, param in model.named_parameters():
+            grad = step_grads[name]
+            if hasattr(param, "device_mesh"):  # an FSDP2 DTensor: this rank's shard of it
+                grad = distribute_tensor(grad, param.device_mesh, param.placements)
+            param.grad = grad
+        optimizer.step()
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    inputs = torch.load(Path(out) / "inputs.pt")
+    results = {"orthogonalized": {}}
+    model = seeded_mlp(*NS_WIDTHS)
+    fully_shard(model)
+    for name, param in weights(model).items():
+        shard = distribute_tensor(inputs["directions"][name], param.device_mesh, param.placements).to_local()
+        rows = orthogonalize(shard, param, newton_schulz)
+        results["orthogonalized"][name] = {"shard_rows": rows.shape[0],
+                                           "whole": wrap_like(rows, param).full_tensor()}
+    for name, cls in CLASSES.items():
+        model = seeded_mlp(*MLP_WIDTHS)
+        fully_shard(model)
+        optimizer = cls(model, **OPTIONS)
+        step_with(model, optimizer, inputs["grads"])
+        full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        results[name] = {
+            "params": {key: param.full_tensor().clone() for key, param in model.named_parameters()},
+            "momenta": {key: entry["momentum_buffer"].clone() for key, entry in full["state"].items()
+                        if "momentum_buffer" in entry},
+            "momentum": type(optimizer.state[model[0].weight]["momentum_buffer"].to_local()).__name__,
+        }
+    if rank == 0:
+        torch.save(results, Path(out) / "results.pt")
+    # FSDP2's modules hold gloo work: freed after the group is torn down they can abort the
+    # process (pytorch/pytorch#179291), so they go first.
+    del model, optimizer, full
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("muon_fsdp")
+    generator = torch.Generator().manual_seed(3)
+    directions = {name: torch.randn(param.shape, generator=generator)
+                  for name, param in weights(seeded_mlp(*NS_WIDTHS)).items()}
+    shapes = {name: param.shape for name, param in seeded_mlp(*MLP_WIDTHS).named_parameters()}
+    grads = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+             for _ in range(STEPS)]
+    inputs = {"directions": directions, "grads": grads}
+    torch.save(inputs, out / "inputs.pt")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2)
+    return inputs, torch.load(out / "results.pt")
+
+
+def test_sharded_newton_schulz_gives_each_rank_the_single_process_rows_bit_for_bit(fsdp_runs):
+    inputs, results = fsdp_runs
+    got = results["orthogonalized"]
+    assert {name: entry["shard_rows"] for name, entry in got.items()} == {"0.weight": 17, "2.weight": 4}
+    for name, direction in inputs["directions"].items():
+        expected = newton_schulz(direction)
+        assert got[name]["whole"].dtype == torch.bfloat16
+        assert torch.equal(got[name]["whole"], expected), name
+        # Sensitivity: each rank orthogonalising only its own rows gives another matrix.
+        rows = got[name]["shard_rows"]
+        alone = torch.cat([newton_schulz(direction[:rows]), newton_schulz(direction[rows:])])
+        assert not torch.allclose(alone.float(), expected.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_fsdp2_muon_trains_like_a_single_process_bit_for_bit(fsdp_runs, name):
+    inputs, results = fsdp_runs
+    model = seeded_mlp(*MLP_WIDTHS)
+    optimizer = CLASSES[name](model, **OPTIONS)
+    step_with(model, optimizer, inputs["grads"])
+    assert isinstance(optimizer.state[model[0].weight]["momentum_buffer"], QuantizedState)
+    assert results[name]["momentum"] == "QuantizedState"  # each rank holds quantized shards
+    # A full state dict gathers the momentum's values (dequantized), the single process's.
+    names = {id(param): key for key, param in model.named_parameters()}
+    expected_momenta = {names[id(param)]: state["momentum_buffer"].dequantize(torch.float32)
+                        for param, state in optimizer.state.items() if "momentum_buffer" in state}
+    assert results[name]["momenta"].keys() == expected_momenta.keys() == {"0.weight", "2.weight"}
+    for key, expected in expected_momenta.items():
+        assert torch.equal(results[name]["momenta"][key], expected), key
+    moved = 0.0
+    for key, param in model.named_parameters():
+        assert torch.equal(results[name]["params"][key], param.detach()), key
+        moved += float((param.detach() - seeded_mlp(*MLP_WIDTHS).state_dict()[key]).abs().sum())
+    assert moved > 0
