@@ -328,9 +328,10 @@ class KernelBatch:
         ``step_constants``, a NamedTuple checked by ``check_functor_constants``)."""
         per_step = [values_of(step) for step in self.steps]
         check_functor_constants(self.functor, type(per_step[0]))
+        values = [value for constants in per_step for value in constants]
         torch.ops.lowbit_optim.cpu_rule_step(
             self.params, [grads[i] for i in self.indices], [*map(_CODES, self.moments)],
-            [*map(_SCALES, self.moments)], self.corrections, [value for values in per_step for value in values],
+            [*map(_SCALES, self.moments)], self.corrections, values,
             functor=self.functor, **self.constants, block_size=self.block_size, maximize=options.maximize,
             stochastic_round=options.stochastic_round, isa=options.isa or default_isa(),
         )
