@@ -68,8 +68,10 @@ def adam_ratio_bound(beta1, beta2, step):
     gamma = beta1**2 / beta2
     geometric = torch.where(gamma == 1, step.to(gamma.dtype), (1 - gamma**step) / (1 - gamma))
     bound = (1 - beta1) * (geometric / (1 - beta2)).sqrt() * (1 - beta2**step).sqrt()
-    # masked_fill, not where with a Python number: no tensor is made from the number.
-    return bound.masked_fill(beta2 <= 0, torch.inf)
+    # masked_fill, not where with a Python number: no tensor is made from the number. In place
+    # on the fresh product: the out-of-place form clones it, and the Triton op computes this
+    # bound on the host inside a compiled caller's graph, where no clone is expected.
+    return bound.masked_fill_(beta2 <= 0, torch.inf)
 
 
 @torch.library.custom_op("lowbit_optim::step_constants", mutates_args=())

@@ -7,9 +7,10 @@
 // stack (L1) between the update and the encode, because the encode needs the whole block's
 // absmax first; nothing of the parameter's size is ever written besides the outputs.
 //
-// The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h: its float32
-// constants, formed once per call from the host's values, its number of moments kMoments, and
-// `update` on vectors: parameter, gradient and decoded moments -> new parameter and moments);
+// The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h: the names of the
+// host values it reads, in its order, kConstants; its float32 constants, formed once per call
+// from those values; its number of moments kMoments; and `update` on vectors: parameter,
+// gradient and decoded moments -> new parameter and moments), named by one row of kFunctors;
 // the block step is instantiated once per rule (AdamW: with and without amsgrad) and parameter
 // width. What every rule shares lives here, not in the functors
 // (as lowbit_optim/step/rule_step.py::apply_rule): maximize negates the gradient, an element
@@ -574,6 +575,7 @@ void run_adamw(const StepArgs& a, int64_t first_block, int64_t end_block) {
 
 template <typename Rule>
 constexpr Functor functor(const char* name, int32_t min_moments, int32_t max_moments, RangeFn run) {
+  static_assert(std::size(Rule::kConstants) <= kMaxRuleValues, "StepArgs::rule_values holds kMaxRuleValues");
   return {name, Rule::kConstants, static_cast<int32_t>(std::size(Rule::kConstants)), min_moments, max_moments, run};
 }
 
