@@ -49,8 +49,6 @@ ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "LOWBIT_OPTIM_CPU_ISA"
 MAX_BLOCK_SIZE = 2048
 
-
-
 # cpu_step_args.h's Encoder and CellSign.
 _CELLS, _SMALL_TABLE, _LINEAR16, _E4M3 = 0, 1, 2, 3
 _CELL_SIGNS = {cell_tables.CLAMPED: 0, cell_tables.ABS: 1, cell_tables.SIGNED: 2}

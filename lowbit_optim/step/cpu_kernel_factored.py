@@ -56,6 +56,9 @@ class FactoredKernel:
 
     def __init__(self, entries: list[tuple], column_means: list[torch.Tensor],
                  col_normalized: list[torch.Tensor], all_rows: list[int], isa: str | None = None):
+        from lowbit_optim.step.rules.adamw import ADAMW  # the rules import this module's importers
+
+        self.rule = ADAMW  # whose step_constants the update pass's functor reads
         self.isa = isa or default_isa()
         self.indices = [index for index, _ in entries]
         self.params = [entry.param.detach() for _, entry in entries]
@@ -106,9 +109,7 @@ class FactoredKernel:
         of a master weight correction. Each parameter's values are AdamW's ``step_constants`` at
         its step count (worked out once per count: Adam's bound is a dozen 0-d host operations);
         the kernel forms the bias corrections from them."""
-        from lowbit_optim.step.rules.adamw import ADAMW  # the rules import this module's importers
-
-        rule = ADAMW.for_decay(decoupled_weight_decay)
+        rule = self.rule.for_decay(decoupled_weight_decay)
         per_count = {}
         for call in self.update_calls:
             values = []
