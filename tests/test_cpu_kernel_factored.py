@@ -31,7 +31,7 @@ from lowbit_optim.state.factored import normalized_columns
 from lowbit_optim.step import chunks, cpu_kernel
 from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.factored import FactoredParams, accumulate_statistics
-from lowbit_optim.step.math import host_adam_ratio_bound
+from lowbit_optim.step.math import adam_ratio_bound
 from lowbit_optim.step.rule_step import RuleEntry
 from lowbit_optim.step.rules.adamw import ADAMW
 
@@ -205,7 +205,8 @@ def parameter_bound(params: list[torch.Tensor]) -> list[torch.Tensor]:
     bound) within that relative amount, each step; plus one ulp of the parameter per step where
     the two updates round to neighbours (and the decay carries it)."""
     relative = 1.5 * STATISTIC_ULPS * 2.0**-23
-    update = sum(lr / (1 - BETAS[0] ** t) * host_adam_ratio_bound(*BETAS, t)
+    betas = [torch.tensor(beta, dtype=torch.float64) for beta in BETAS]
+    update = sum(lr / (1 - BETAS[0] ** t) * float(adam_ratio_bound(*betas, torch.tensor(float(t))))
                  for t, lr in enumerate(LRS[:STEPS], start=1))
     return [relative * update + STEPS * torch.finfo(p.dtype).eps * p.abs().float() for p in params]
 
@@ -315,7 +316,7 @@ def test_column_statistics_accumulate_as_foreach_and_normalise_within_one_ulp():
     accumulate_statistics(expected, beta2, means)
     expected_normalized = [normalized_columns(col) for col in expected]
     normalized = [torch.empty_like(col) for col in cols]
-    torch.ops.lowbit_optim.cpu_factored_columns(cols, means, normalized, beta2)
+    torch.ops.lowbit_optim.cpu_factored_columns(cols, means, normalized, beta2=beta2)
     for col, expected_col in zip(cols, expected):
         assert torch.equal(bits(col), bits(expected_col))
     assert torch.equal(cols[-2], torch.full((30,), torch.finfo(torch.float32).max))

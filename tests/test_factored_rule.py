@@ -10,7 +10,7 @@ from helpers import make_scalars
 from lowbit_optim.state.factored import normalized_columns, reconstruct
 from lowbit_optim.step.factored import FactoredMoment
 from lowbit_optim.step.hyperparams import StepOptions
-from lowbit_optim.step.math import host_adam_ratio_bound
+from lowbit_optim.step.math import adam_ratio_bound
 from lowbit_optim.step.rules.adamw import ADAMW, AdamWFactoredRule
 
 BETAS = (0.9, 0.999)
@@ -25,7 +25,8 @@ def reference_update(param, grad, exp_avg, second_moment, *, lr, eps, weight_dec
         grad = grad + weight_decay * param
     new_exp_avg = beta1 * exp_avg + (1 - beta1) * grad
     denom = second_moment.sqrt() / (1 - beta2**step) ** 0.5 + eps
-    bound = host_adam_ratio_bound(beta1, beta2, step)
+    bound = float(adam_ratio_bound(*(torch.tensor(float(value), dtype=torch.float64)
+                                     for value in (beta1, beta2, step))))
     ratio = (new_exp_avg / denom).clamp(-bound, bound)
     decayed = param * (1 - lr * weight_decay) if decoupled else param
     return decayed - lr / (1 - beta1**step) * ratio, new_exp_avg

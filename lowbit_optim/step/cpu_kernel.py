@@ -20,7 +20,6 @@ import hashlib
 import operator
 import os
 import pathlib
-import re
 import struct
 import sys
 import warnings
@@ -44,47 +43,13 @@ HEADERS = ("cpu_step_args.h", "constant_divisor.h", "cpu_step_vector_ops.h", "cp
 CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
-# Instruction-set paths (cpu_step_op.cpp's Isa); LOWBIT_OPTIM_CPU_ISA forces one.
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+# Instruction-set paths by the names the operators take (cpu_step_op.cpp's kIsas);
+# LOWBIT_OPTIM_CPU_ISA forces one.
+ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "LOWBIT_OPTIM_CPU_ISA"
 MAX_BLOCK_SIZE = 2048
 
-
-
-class FunctorShape(NamedTuple):
-    """A functor's row of ``cpu_step_args.h``: its ``RuleId`` and ``kRuleShapes`` entry (how many
-    host values it reads, its fewest and most moments)."""
-
-    rule_id: int
-    values: int
-    min_moments: int
-    max_moments: int
-
-
-def functor_shapes(header: str) -> dict[str, FunctorShape]:
-    """``RuleId`` and ``kRuleShapes`` as the header declares them, by the name a rule module gives
-    its ``cpu_functor`` (``kAdEMAMix`` -> ``"ademamix"``). Read from the header itself, so the
-    ids and value counts are written once, where the kernel reads them."""
-    enum = re.search(r"enum RuleId : int32_t \{([^}]*)\}", header)
-    table = re.search(r"kRuleShapes\[\] = \{(.*?)\n\};", header, re.S)
-    if enum is None or table is None:
-        raise ImportError("csrc/cpu_step_args.h declares no RuleId or kRuleShapes")
-    rows = [tuple(map(int, row)) for row in re.findall(r"\{(\d+), (\d+), (\d+)\}", table.group(1))]
-    shapes = {}
-    for item in enum.group(1).split(","):
-        name, rule_id = (part.strip() for part in item.split("="))
-        shapes[name.removeprefix("k").lower()] = FunctorShape(int(rule_id), *rows[int(rule_id)])
-    return shapes
-
-
-# The rules with a functor (``csrc/rules/<name>.h``), by the name a rule module declares as its
-# ``cpu_functor``. AdamWFactored4bit's functor (rules/adamw_factored.h) and the factored
-# statistics have operators of their own (step/cpu_kernel_factored.py).
-FUNCTOR_SHAPES = functor_shapes((SOURCE_DIR / "cpu_step_args.h").read_text())
-RULE_FUNCTORS = {name: shape.rule_id for name, shape in FUNCTOR_SHAPES.items()}
-
-# cpu_step_args.h's StateKind, Encoder and CellSign.
-_KIND = {4: 1, 8: 0}
+# cpu_step_args.h's Encoder and CellSign.
 _CELLS, _SMALL_TABLE, _LINEAR16, _E4M3 = 0, 1, 2, 3
 _CELL_SIGNS = {cell_tables.CLAMPED: 0, cell_tables.ABS: 1, cell_tables.SIGNED: 2}
 ENCODER_FLOATS = 20
@@ -223,22 +188,24 @@ def encoder_constants(codec) -> tuple[list[float], torch.Tensor]:
 
 
 class FormatConstants(NamedTuple):
-    """What the kernel reads of a rule's moment formats: the state kind, each moment's decode
-    table, its encoder's constants (one row per moment) and its cell table."""
+    """What the kernel reads of a rule's moment formats, as the operators' keyword arguments of
+    the same names: each moment's decode table, its encoder's constants (one row per moment),
+    its cell table, and the moments' width in bits (4 or 8)."""
 
-    kind: int
     tables: list[torch.Tensor]
     encoders: torch.Tensor
     cells: list[torch.Tensor]
+    bits: int
 
 
 @functools.cache
-def format_constants(formats: tuple[QuantFormat, ...]) -> FormatConstants:
-    """``FormatConstants`` of a rule's moment formats (in its moment order), made once."""
+def format_constants(formats: tuple[QuantFormat, ...]) -> dict:
+    """``FormatConstants`` of a rule's moment formats (in its moment order), made once, as the
+    operators' keyword arguments."""
     constants = [encoder_constants(fmt.codec) for fmt in formats]
     encoders = torch.tensor([values for values, _ in constants], dtype=torch.float32)
     tables = [fmt.table.to(torch.float32).contiguous() for fmt in formats]
-    return FormatConstants(_KIND[formats[0].bits], tables, encoders, [cells for _, cells in constants])
+    return FormatConstants(tables, encoders, [cells for _, cells in constants], formats[0].bits)._asdict()
 
 
 def supports(formats: tuple[QuantFormat, ...], block_size: int, param: torch.Tensor,
@@ -255,7 +222,7 @@ def supports(formats: tuple[QuantFormat, ...], block_size: int, param: torch.Ten
         return False
     if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if len({fmt.bits for fmt in formats}) != 1 or formats[0].bits not in _KIND:
+    if len({fmt.bits for fmt in formats}) != 1 or formats[0].bits not in (4, 8):
         return False
     if block_size > MAX_BLOCK_SIZE or block_size % 4:
         return False
@@ -275,26 +242,53 @@ class KernelOptions(NamedTuple):
     isa: str | None = None
 
 
-def cpu_rule_step(param, grad, moments: tuple, values: list[torch.Tensor], *, functor: str,
+@functools.cache
+def functor_constants(functor: str) -> tuple[str, ...]:
+    """The names of the host values the kernel's ``functor`` reads, in the order it reads them
+    (its ``kConstants`` in ``csrc/rules/<name>.h``; ``cpu_functor_constants`` in the kernel)."""
+    return tuple(torch.ops.lowbit_optim.cpu_functor_constants(functor))
+
+
+@functools.cache
+def check_functor_constants(functor: str, constants: type) -> None:
+    """Raise unless ``constants``, the NamedTuple whose values Python passes ``functor`` (a
+    rule's ``step_constants``), has the fields the functor reads, in its order: a field added,
+    renamed or moved on either side would otherwise feed the functor the wrong values.
+    Checked once per functor and type, before the first call passes them."""
+    expected = functor_constants(functor)
+    fields = getattr(constants, "_fields", None)
+    if fields != expected:
+        raise RuntimeError(
+            f"lowbit_optim: the C++ CPU kernel's functor {functor!r} reads the host values "
+            f"{list(expected)} in this order, but Python passes {constants.__name__} with fields "
+            f"{None if fields is None else list(fields)}; make the functor's kConstants "
+            f"(lowbit_optim/step/csrc/rules/{functor}.h) and the NamedTuple agree")
+
+
+def cpu_rule_step(param, grad, moments: tuple, values, *, functor: str,
                   options: KernelOptions, weight_correction: torch.Tensor | None = None,
                   formats: tuple[QuantFormat, ...] | None = None) -> None:
     """One parameter's step with the kernel, in place: the rule's quantized step's result.
 
     ``moments``: the rule's ``QuantizedState``s of the whole parameter, in its moment order;
-    ``values``: the 0-d CPU tensors its functor reads (``csrc/rules/<functor>.h``: for Lion
-    and AdEMAMix their ``step_constants`` fields in order); ``functor``: a key of
-    ``RULE_FUNCTORS``. ``weight_correction``: a bfloat16 or float16 parameter's master weight
+    ``values``: the 0-d CPU tensors its functor reads (``csrc/rules/<functor>.h``: the fields of
+    the rule's ``step_constants``, checked by ``check_functor_constants`` when ``values`` is that
+    NamedTuple; a plain sequence in ``functor_constants(functor)``'s order is passed as it is);
+    ``functor``: the name of a functor of the kernel (a rule's ``cpu_functor``).
+    ``weight_correction``: a bfloat16 or float16 parameter's master weight
     correction (int8 or int16, ``step.master_weights``), read and written with the parameter
     as its master weight. ``formats``: the formats whose decode table and encoder each moment
     uses (default: its own). A non-contiguous parameter (or correction) steps a contiguous
     copy, written back afterwards. ``KernelBatch`` steps many parameters in one call.
     """
-    constants = format_constants(formats or tuple(moment.format for moment in moments))
+    if hasattr(values, "_fields"):
+        check_functor_constants(functor, type(values))
     torch.ops.lowbit_optim.cpu_rule_step(
         [param.detach()], [grad.detach()], [m.codes for m in moments], [m.scales for m in moments],
-        [] if weight_correction is None else [weight_correction], constants.tables, constants.encoders,
-        constants.cells, list(values), RULE_FUNCTORS[functor], constants.kind, moments[0].block_size,
-        options.maximize, options.stochastic_round, ISAS[options.isa or default_isa()],
+        [] if weight_correction is None else [weight_correction], list(values), functor=functor,
+        **format_constants(formats or tuple(moment.format for moment in moments)),
+        block_size=moments[0].block_size, maximize=options.maximize,
+        stochastic_round=options.stochastic_round, isa=options.isa or default_isa(),
     )
 
 
@@ -321,7 +315,7 @@ class KernelBatch:
         self.steps = [entry.step for _, entry in entries]
         corrections = [entry.weight_correction for _, entry in entries]
         self.corrections = [] if corrections[0] is None else corrections
-        self.functor = RULE_FUNCTORS[functor]
+        self.functor = functor
         self.constants = format_constants(tuple(moment.format for moment in first.moments))
         self.block_size = first.moments[0].block_size
 
@@ -329,14 +323,15 @@ class KernelBatch:
         """Step the batch's parameters with their gradients (``grads``: the caller's list, read
         at the batch's indices; each of its parameter's dtype, as the step checks before any
         plan steps) and ``values_of(step)``, the functor's values for a step count (the rule's
-        ``step_constants``)."""
-        constants = self.constants
+        ``step_constants``, a NamedTuple checked by ``check_functor_constants``)."""
+        per_step = [values_of(step) for step in self.steps]
+        check_functor_constants(self.functor, type(per_step[0]))
+        values = [value for constants in per_step for value in constants]
         torch.ops.lowbit_optim.cpu_rule_step(
             self.params, [grads[i] for i in self.indices], [*map(_CODES, self.moments)],
-            [*map(_SCALES, self.moments)], self.corrections, constants.tables, constants.encoders,
-            constants.cells, [value for step in self.steps for value in values_of(step)], self.functor,
-            constants.kind, self.block_size, options.maximize, options.stochastic_round,
-            ISAS[options.isa or default_isa()],
+            [*map(_SCALES, self.moments)], self.corrections, values,
+            functor=self.functor, **self.constants, block_size=self.block_size, maximize=options.maximize,
+            stochastic_round=options.stochastic_round, isa=options.isa or default_isa(),
         )
 
 
@@ -352,10 +347,6 @@ def kernel_batches(entries: list[tuple], functor: str) -> list[KernelBatch]:
     return [KernelBatch(members, functor) for members in batches.values()]
 
 
-# The AdamW functor's last value, its weight decay's kind (csrc/rules/adamw.h: 1 decoupled, 0 L2).
-DECOUPLED = {True: torch.tensor(1.0, dtype=torch.float64), False: torch.tensor(0.0, dtype=torch.float64)}
-
-
 def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
                    stochastic_round: bool, decoupled_weight_decay: bool = True,
                    isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
@@ -363,13 +354,13 @@ def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *,
 
     ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
     of the whole parameter; ``scalars``: ``lr``, ``beta1``, ``beta2``, ``eps``,
-    ``weight_decay`` and ``step``, 0-d CPU tensors (``rules.adamw.AdamWConstants``' first
-    fields). ``isa`` forces a path (``"avx512"``, ``"avx2"``, ``"scalar"``; default
-    ``default_isa()``). ``weight_correction`` as in ``cpu_rule_step``.
+    ``weight_decay`` and ``step``, 0-d CPU tensors (``math.StepScalars``). ``isa`` forces a path
+    (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``). ``weight_correction``
+    as in ``cpu_rule_step``.
     """
+    from lowbit_optim.step.rules.adamw import ADAMW  # the rules import this module
+
     moments = (exp_avg, exp_avg_sq) if max_exp_avg_sq is None else (exp_avg, exp_avg_sq, max_exp_avg_sq)
-    # ``AdamWRule.step_constants``' fields: the five values, the step count, the decay's kind.
-    values = (scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay, scalars.step,
-              DECOUPLED[bool(decoupled_weight_decay)])
-    cpu_rule_step(param, grad, moments, values, functor="adamw",
+    rule = ADAMW.for_decay(decoupled_weight_decay)
+    cpu_rule_step(param, grad, moments, rule.step_constants(scalars, scalars.step), functor=rule.cpu_functor,
                   options=KernelOptions(maximize, stochastic_round, isa), weight_correction=weight_correction)

@@ -20,9 +20,11 @@ from typing import NamedTuple
 import torch
 
 from lowbit_optim.step import chunks
-from lowbit_optim.step.cpu_kernel import DECOUPLED, ISAS, default_isa, format_constants
+from lowbit_optim.step.cpu_kernel import check_functor_constants, default_isa, format_constants
 from lowbit_optim.step.master_weights import read_master
 
+# The kernel's functor of the update pass (csrc/rules/adamw_factored.h): AdamW's values.
+_FUNCTOR = "adamw_factored"
 _CODES = operator.attrgetter("codes")
 _SCALES = operator.attrgetter("scales")
 _ROW = operator.attrgetter("row")
@@ -47,7 +49,7 @@ class FactoredKernel:
     step's gradient list, rule_step.RuleEntry)``, the moments a 4-bit ``QuantizedState`` and a
     ``FactoredState``; per entry, the buffers its column means' share and its normalised columns
     go to and how many rows the whole parameter has: an FSDP2 shard holds some), on the instruction
-    set ``isa`` (a key of ``cpu_kernel.ISAS``; None: ``cpu_kernel.default_isa()``). The
+    set ``isa`` (one of ``cpu_kernel.ISAS``; None: ``cpu_kernel.default_isa()``). The
     operators read the parameters, gradients and statistics as flat contiguous tensors of
     ``rows * columns`` elements (the row and column statistics give the shape). The lists hold
     the plan's tensors and state objects, which live as long as the plan
@@ -55,7 +57,10 @@ class FactoredKernel:
 
     def __init__(self, entries: list[tuple], column_means: list[torch.Tensor],
                  col_normalized: list[torch.Tensor], all_rows: list[int], isa: str | None = None):
-        self.isa = ISAS[isa or default_isa()]
+        from lowbit_optim.step.rules.adamw import ADAMW  # the rules import this module's importers
+
+        self.rule = ADAMW  # whose step_constants the update pass's functor reads
+        self.isa = isa or default_isa()
         self.indices = [index for index, _ in entries]
         self.params = [entry.param.detach() for _, entry in entries]
         self.corrections = [entry.weight_correction for _, entry in entries]
@@ -87,9 +92,9 @@ class FactoredKernel:
         columns = [col.numel() for col in map(_COL, self.exp_avg_sqs)]
         torch.ops.lowbit_optim.cpu_factored_statistics(
             params, [grads[i] for i in self.indices], [*map(_ROW, self.exp_avg_sqs)], self.column_means,
-            [hyper.beta2, hyper.weight_decay], self.all_rows,
-            [max(1, chunks.CHUNK_ELEMENTS // count) for count in columns], maximize, decoupled_weight_decay,
-            self.isa)
+            beta2=hyper.beta2, weight_decay=hyper.weight_decay, all_rows=self.all_rows,
+            chunk_rows=[max(1, chunks.CHUNK_ELEMENTS // count) for count in columns], maximize=maximize,
+            decoupled=decoupled_weight_decay, isa=self.isa)
 
     def columns(self, hyper) -> None:
         """Between the passes, each parameter's column statistic accumulated in place
@@ -97,21 +102,28 @@ class FactoredKernel:
         its ``col_normalized`` buffer (``state.factored.normalized_columns``, the mean summed in
         index order: within one float32 ulp of torch's, docs/cpu_kernel.md)."""
         torch.ops.lowbit_optim.cpu_factored_columns([*map(_COL, self.exp_avg_sqs)], self.column_means,
-                                                    self.col_normalized, hyper.beta2)
+                                                    self.col_normalized, beta2=hyper.beta2)
 
     def update(self, grads: list[torch.Tensor], hyper, *, maximize: bool, stochastic_round: bool,
                decoupled_weight_decay: bool) -> None:
         """The update pass, in place: one call per first-moment format, block size and presence
-        of a master weight correction. The kernel forms each parameter's bias corrections and
-        Adam's bound from its step count, as ``cpu_kernel.cpu_adamw_step`` does."""
-        scalars = (hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
-        decoupled = DECOUPLED[bool(decoupled_weight_decay)]
+        of a master weight correction. Each parameter's values are AdamW's ``step_constants`` at
+        its step count (worked out once per count: Adam's bound is a dozen 0-d host operations);
+        the kernel forms the bias corrections from them."""
+        rule = self.rule.for_decay(decoupled_weight_decay)
+        per_count = {}
         for call in self.update_calls:
-            constants = format_constants((call.exp_avgs[0].format,))
+            values = []
+            for step in call.steps:
+                count = float(step)
+                if count not in per_count:
+                    per_count[count] = rule.step_constants(hyper, step)
+                values.extend(per_count[count])
+            check_functor_constants(_FUNCTOR, type(per_count[count]))
             torch.ops.lowbit_optim.cpu_factored_step(
                 call.params, [grads[i] for i in call.indices], [*map(_CODES, call.exp_avgs)],
-                [*map(_SCALES, call.exp_avgs)], call.corrections, [*map(_ROW, call.exp_avg_sqs)],
-                call.col_normalized, constants.tables, constants.encoders, constants.cells,
-                [value for step in call.steps for value in (*scalars, step, decoupled)], constants.kind,
-                call.exp_avgs[0].block_size, maximize, stochastic_round, self.isa,
+                [*map(_SCALES, call.exp_avgs)], call.corrections, values, rows=[*map(_ROW, call.exp_avg_sqs)],
+                col_normalized=call.col_normalized, **format_constants((call.exp_avgs[0].format,)),
+                block_size=call.exp_avgs[0].block_size, maximize=maximize, stochastic_round=stochastic_round,
+                isa=self.isa,
             )

@@ -68,8 +68,10 @@ def adam_ratio_bound(beta1, beta2, step):
     gamma = beta1**2 / beta2
     geometric = torch.where(gamma == 1, step.to(gamma.dtype), (1 - gamma**step) / (1 - gamma))
     bound = (1 - beta1) * (geometric / (1 - beta2)).sqrt() * (1 - beta2**step).sqrt()
-    # masked_fill, not where with a Python number: no tensor is made from the number.
-    return bound.masked_fill(beta2 <= 0, torch.inf)
+    # masked_fill, not where with a Python number: no tensor is made from the number. In place
+    # on the fresh product: the out-of-place form clones it, and the Triton op computes this
+    # bound on the host inside a compiled caller's graph, where no clone is expected.
+    return bound.masked_fill_(beta2 <= 0, torch.inf)
 
 
 @torch.library.custom_op("lowbit_optim::step_constants", mutates_args=())
@@ -252,9 +254,16 @@ def adamw_kernel_variant(decoupled_weight_decay: bool, weight_decay: float) -> i
 
 
 def adamw_kernel_constants(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                           step: float, *, l2_decay: bool = False) -> AdamWKernelConstants:
+                           step: float, *, l2_decay: bool = False,
+                           max_ratio: float | None = None) -> AdamWKernelConstants:
     """The constants of one step count (``l2_decay``: torch.optim.Adam's weight decay, the
-    kernel variant ``ADAMW_L2_DECAY``)."""
+    kernel variant ``ADAMW_L2_DECAY``; ``max_ratio``: ``adam_ratio_bound`` at ``step`` where the
+    caller has it, ``rules.adamw.AdamWConstants.max_ratio``, else computed here from the numbers
+    as 0-d tensors of the step's dtypes)."""
+    if max_ratio is None:
+        max_ratio = float(adam_ratio_bound(torch.tensor(beta1, dtype=torch.float64),
+                                           torch.tensor(beta2, dtype=torch.float64),
+                                           torch.tensor(step, dtype=torch.float32)))
     return AdamWKernelConstants(
         step_size=lr / (1 - beta1**step),
         decay=weight_decay if l2_decay else 1 - lr * weight_decay,
@@ -263,18 +272,8 @@ def adamw_kernel_constants(lr: float, beta1: float, beta2: float, eps: float, we
         one_minus_beta2=1 - beta2,
         inv_bias_correction2_sqrt=1 / math.sqrt(1 - beta2**step),
         eps=eps,
-        max_ratio=host_adam_ratio_bound(beta1, beta2, step),
+        max_ratio=max_ratio,
     )
-
-
-def host_adam_ratio_bound(beta1: float, beta2: float, step: float) -> float:
-    """``adam_ratio_bound`` in Python floats (tests/test_triton.py compares them): the 0-d
-    tensor operations would run inside the compiled op's call."""
-    if beta2 <= 0:
-        return math.inf
-    gamma = beta1**2 / beta2
-    geometric = step if gamma == 1 else (1 - gamma**step) / (1 - gamma)
-    return (1 - beta1) * math.sqrt(geometric / (1 - beta2)) * math.sqrt(1 - beta2**step)
 
 
 if triton is not None:

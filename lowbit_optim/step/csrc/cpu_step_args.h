@@ -7,7 +7,8 @@
 namespace lowbit_cpu {
 
 enum ParamDtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-enum StateKind : int32_t { kDynamic8 = 0, kNibble4 = 1, kFloat8 = 2 };
+// How a moment's codes are stored: a byte per value, or two 4-bit codes per byte.
+enum StateKind : int32_t { kBytes8 = 0, kNibble4 = 1 };
 enum Encoder : int32_t { kCells = 0, kSmallTable = 1, kLinear16 = 2, kE4M3 = 3 };
 // How a cell table (kCells, lowbit_optim/formats/cell_tables.py) reads negative values: as 0
 // (zero-free maps), as their magnitude, or from a half of cells of their own.
@@ -25,34 +26,12 @@ struct EncoderConstants {
   const int32_t* cells;    // kCells: the format's cell words (cell_tables.cell_words)
 };
 
-// The update rules the kernel steps, each a functor in rules/<name>.h (cpu_step_kernel.h
-// instantiates the block step once per rule); the number is lowbit_optim/step/cpu_kernel.py's
-// RULE_FUNCTORS.
-// kAdamWFactored: AdamW with a factored second moment (rules/adamw_factored.h); its
-// statistics pass, kFactoredStatistics (factored_statistics.h), runs over tiles of rows, not
-// over blocks, through the same per-instruction-set entry point.
-enum RuleId : int32_t { kAdamW = 0, kLion = 1, kAdEMAMix = 2, kAdamWFactored = 3, kFactoredStatistics = 4,
-                    kMuon = 5 };
 constexpr int kMaxMoments = 3;
 constexpr int kMaxRuleValues = 16;
 
-// What the operator checks of a rule's inputs before any block runs: how many host values its
-// functor reads (rule_values) and how many moments it keeps.
-struct RuleShape {
-  int32_t values, min_moments, max_moments;
-};
-constexpr RuleShape kRuleShapes[] = {
-    {7, 2, 3},    // kAdamW: lr, beta1, beta2, eps, weight_decay, step, decoupled; amsgrad's third moment
-    {4, 1, 1},    // kLion: LionConstants
-    {11, 3, 3},   // kAdEMAMix: AdEMAMixConstants
-    {7, 1, 1},    // kAdamWFactored: kAdamW's values; the first moment only
-    {2, 0, 0},    // kFactoredStatistics: beta2, weight_decay
-    {2, 1, 1},    // kMuon: MuonConstants
-};
-
 // The factored second moment of a (rows, columns) matrix (lowbit_optim/state/factored.py).
-// The update (kAdamWFactored) reads this step's row statistics and the normalised columns;
-// the statistics pass (kFactoredStatistics) adds each row's mean of (1 - beta2) * g**2
+// The update (functor "adamw_factored") reads this step's row statistics and the normalised
+// columns; the statistics pass ("factored_statistics") adds each row's mean of (1 - beta2) * g**2
 // (saturated float32) to beta2 * row_statistics, and writes each tile's column sums (float64)
 // into column_sums, tile after tile, for the operator to add up in tile order.
 struct FactoredArgs {
@@ -67,6 +46,7 @@ struct FactoredArgs {
   int64_t first_row, chunk_rows, tile_rows;
   float* row_statistics;
   float beta2;  // as the float32 statistics meet it
+  double host_beta2, weight_decay;  // as the host holds them (0-d float64 tensors)
   double* column_sums;
 };
 
@@ -77,15 +57,15 @@ struct StepArgs {
   int32_t kind;
   int64_t numel;
   int64_t block_size;
-  int32_t rule;          // RuleId
+  int32_t functor;       // its row in the functor table (FunctorTable)
   int32_t moment_count;  // codes, scales, tables and encoders in use, in the rule's moment order
   uint8_t* codes[kMaxMoments];
   float* scales[kMaxMoments];
   const float* tables[kMaxMoments];  // decode tables (16 or 256 floats)
   EncoderConstants encoders[kMaxMoments];
   // The rule's per-step values as the host holds them (0-d float64 tensors, read once per
-  // call): its functor forms its float32 constants from them as the reference's 0-d float64
-  // arithmetic does (rules/*.h).
+  // call), in the order its functor declares them (Functor::constants): the functor forms its
+  // float32 constants from them as the reference's 0-d float64 arithmetic does (rules/*.h).
   double rule_values[kMaxRuleValues];
   int32_t maximize, stochastic_round;
   uint64_t seed;
@@ -99,8 +79,27 @@ struct StepArgs {
 
 using RangeFn = void (*)(const StepArgs&, int64_t first_block, int64_t end_block);
 
-RangeFn avx512_range();
-RangeFn avx2_range();
-RangeFn scalar_range();
+// One row of the functor table: a rule's functor (rules/<name>.h) or the factored statistics
+// pass, by the name Python gives it (an UpdateRule's cpu_functor), with the names of the host
+// values it reads in the order it reads them (its kConstants: rule_values[0], [1], ...; the
+// operator cpu_functor_constants returns them, and lowbit_optim/step/cpu_kernel.py checks them
+// against the fields of the NamedTuple Python passes), its fewest and most moments, and its
+// entry on one instruction set. cpu_step_kernel.h defines the table, the same on every path;
+// a functor's row index never leaves the C++ side.
+struct Functor {
+  const char* name;
+  const char* const* constants;
+  int32_t constant_count, min_moments, max_moments;
+  RangeFn run;
+};
+
+struct FunctorTable {
+  const Functor* rows;
+  int32_t count;  // 0: the path is not compiled for this CPU architecture
+};
+
+FunctorTable avx512_functors();
+FunctorTable avx2_functors();
+FunctorTable scalar_functors();
 
 }  // namespace lowbit_cpu

@@ -127,12 +127,14 @@ struct Primitives {
 #undef LOWBIT_ISA
 
 namespace lowbit_cpu {
-RangeFn avx2_range() { return &avx2::run_range; }
+FunctorTable avx2_functors() {
+  return {avx2::kFunctors, static_cast<int32_t>(std::size(avx2::kFunctors))};
+}
 }  // namespace lowbit_cpu
 #pragma GCC pop_options
 
 #else
 namespace lowbit_cpu {
-RangeFn avx2_range() { return nullptr; }
+FunctorTable avx2_functors() { return {nullptr, 0}; }
 }  // namespace lowbit_cpu
 #endif

@@ -132,12 +132,14 @@ struct Primitives {
 #undef LOWBIT_ISA
 
 namespace lowbit_cpu {
-RangeFn avx512_range() { return &avx512::run_range; }
+FunctorTable avx512_functors() {
+  return {avx512::kFunctors, static_cast<int32_t>(std::size(avx512::kFunctors))};
+}
 }  // namespace lowbit_cpu
 #pragma GCC pop_options
 
 #else
 namespace lowbit_cpu {
-RangeFn avx512_range() { return nullptr; }
+FunctorTable avx512_functors() { return {nullptr, 0}; }
 }  // namespace lowbit_cpu
 #endif

@@ -7,9 +7,10 @@
 // stack (L1) between the update and the encode, because the encode needs the whole block's
 // absmax first; nothing of the parameter's size is ever written besides the outputs.
 //
-// The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h, rules/muon.h:
-// its float32 constants, formed once per call from the host's values, its number of moments
-// kMoments, and `update` on vectors: parameter, gradient and decoded moments -> new parameter and moments);
+// The update rule is a functor (rules/adamw.h, rules/lion.h, rules/ademamix.h, rules/muon.h: the names of the
+// host values it reads, in its order, kConstants; its float32 constants, formed once per call
+// from those values; its number of moments kMoments; and `update` on vectors: parameter,
+// gradient and decoded moments -> new parameter and moments), named by one row of kFunctors;
 // the block step is instantiated once per rule (AdamW: with and without amsgrad) and parameter
 // width. What every rule shares lives here, not in the functors
 // (as lowbit_optim/step/rule_step.py::apply_rule): maximize negates the gradient, an element
@@ -27,6 +28,7 @@
 // encodings of lowbit_optim/step/master_weights.py (read_master, split_master) done in the
 // same pass: bfloat16's integer bit split, float16's scaled residual.
 #include <cstdint>
+#include <iterator>
 #include <type_traits>
 
 // The block step's per-vector functions are forced inline: GCC's inliner gave up on
@@ -564,22 +566,31 @@ void run_rule(const StepArgs& a, int64_t first_block, int64_t end_block) {
   }
 }
 
-void run_range(const StepArgs& a, int64_t first_block, int64_t end_block) {
-  switch (a.rule) {
-    case kLion: run_rule<LionRule>(a, first_block, end_block); break;
-    case kAdEMAMix: run_rule<AdEMAMixRule>(a, first_block, end_block); break;
-    case kMuon: run_rule<MuonRule>(a, first_block, end_block); break;
-    case kAdamWFactored: run_rule<AdamWFactoredRule>(a, first_block, end_block); break;
-    case kFactoredStatistics: run_statistics(a, first_block, end_block); break;  // tiles of rows
-    default:
-      if (a.moment_count == 3) {
-        run_rule<AdamWRule<true>>(a, first_block, end_block);
-      } else {
-        run_rule<AdamWRule<false>>(a, first_block, end_block);
-      }
-      break;
+void run_adamw(const StepArgs& a, int64_t first_block, int64_t end_block) {
+  if (a.moment_count == 3) {
+    run_rule<AdamWRule<true>>(a, first_block, end_block);
+  } else {
+    run_rule<AdamWRule<false>>(a, first_block, end_block);
   }
 }
+
+template <typename Rule>
+constexpr Functor functor(const char* name, int32_t min_moments, int32_t max_moments, RangeFn run) {
+  static_assert(std::size(Rule::kConstants) <= kMaxRuleValues, "StepArgs::rule_values holds kMaxRuleValues");
+  return {name, Rule::kConstants, static_cast<int32_t>(std::size(Rule::kConstants)), min_moments, max_moments, run};
+}
+
+// The functor table (cpu_step_args.h's Functor): a rule's functor is one row here and its
+// #include above; the operator finds a row by its name.
+constexpr Functor kFunctors[] = {
+    functor<AdamWMath>("adamw", 2, 3, &run_adamw),  // amsgrad: a third moment
+    functor<LionRule>("lion", 1, 1, &run_rule<LionRule>),
+    functor<AdEMAMixRule>("ademamix", 3, 3, &run_rule<AdEMAMixRule>),
+    functor<MuonRule>("muon", 1, 1, &run_rule<MuonRule>),
+    functor<AdamWFactoredRule>("adamw_factored", 1, 1, &run_rule<AdamWFactoredRule>),
+    // Tiles of rows, not blocks; its host values are FactoredArgs', set by its operator.
+    {"factored_statistics", nullptr, 0, 0, 0, &run_statistics},
+};
 
 }  // namespace
 }  // namespace LOWBIT_ISA

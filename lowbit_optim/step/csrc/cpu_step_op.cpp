@@ -4,6 +4,11 @@
 // governs it, and a call over many parameters pays one fork and join, not one per parameter).
 // Each block is computed alone, so the result does not depend on the thread count. The rule's
 // functor (rules/*.h) forms its constants from the host values in each task.
+// Every operator of the family has the shape of torch's _fused_adamw_: the tensor lists
+// positional (at most six), everything else keyword-only and named. The functor and the
+// instruction set are named by strings, looked up in the functor table (cpu_step_kernel.h's
+// kFunctors) and kIsas here; cpu_functor_constants(functor) gives the names of the host values
+// a functor reads, in its order, for Python to check what it passes.
 // AdamWFactored4bit's two passes have operators of their own on the same entry points:
 // cpu_factored_step (the block step with the factored functor and the parameter's statistics)
 // and cpu_factored_statistics (tiles of rows); cpu_factored_columns, between them, accumulates
@@ -17,6 +22,7 @@
 #include <cstring>
 #include <algorithm>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "cpu_step_args.h"
@@ -31,9 +37,23 @@ constexpr int64_t kEncoderFloats = 20;   // EncoderConstants as float32 values (
 constexpr int64_t kCellsPerHalf = 2945;
 constexpr int64_t kSignedCells = (int64_t{1} << 15) + kCellsPerHalf;
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int32_t { kScalar, kAvx2, kAvx512 };
 
-bool isa_supported(int64_t isa) {
+// The instruction-set paths by the names Python gives them (LOWBIT_OPTIM_CPU_ISA), with their
+// vector width in float32 lanes.
+struct IsaPath {
+  const char* name;
+  Isa isa;
+  int64_t width;
+  FunctorTable (*functors)();
+};
+constexpr IsaPath kIsas[] = {
+    {"scalar", kScalar, 1, &scalar_functors},
+    {"avx2", kAvx2, 8, &avx2_functors},
+    {"avx512", kAvx512, 16, &avx512_functors},
+};
+
+bool isa_supported(Isa isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (isa == kAvx512) return __builtin_cpu_supports("avx512f");
   if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -42,6 +62,30 @@ bool isa_supported(int64_t isa) {
 #endif
   return true;
 }
+
+const IsaPath& isa_path(c10::string_view name) {
+  for (const IsaPath& path : kIsas) {
+    if (name != path.name) continue;
+    TORCH_CHECK(isa_supported(path.isa) && path.functors().count > 0, "lowbit_optim: instruction set '", name,
+                "' is not available on this CPU");
+    return path;
+  }
+  TORCH_CHECK(false, "lowbit_optim: unknown instruction set '", name, "' (scalar, avx2 or avx512)");
+  return kIsas[0];  // unreachable
+}
+
+// The functor table is the same on every path; the portable one is always compiled.
+int32_t functor_row(c10::string_view name) {
+  const FunctorTable table = scalar_functors();
+  for (int32_t row = 0; row < table.count; ++row)
+    if (name == table.rows[row].name) return row;
+  std::string known;
+  for (int32_t row = 0; row < table.count; ++row) known += (row ? ", " : "") + std::string(table.rows[row].name);
+  TORCH_CHECK(false, "lowbit_optim: the CPU kernel has no functor '", name, "' (it has ", known, ")");
+  return 0;  // unreachable
+}
+
+const Functor& functor_of(int32_t row) { return scalar_functors().rows[row]; }
 
 EncoderConstants read_encoder(const float* values) {
   EncoderConstants c;
@@ -55,7 +99,7 @@ EncoderConstants read_encoder(const float* values) {
 }
 
 double scalar_of(const at::Tensor& t) {
-  TORCH_CHECK(t.numel() == 1 && t.device().is_cpu(), "cpu_rule_step: the rule's values must be 1-element CPU tensors");
+  TORCH_CHECK(t.numel() == 1 && t.device().is_cpu(), "lowbit_optim: host values must be 1-element CPU tensors");
   // Read in place where the dtype is known: item() is a dispatcher call, and a call over many
   // parameters reads seven values for each.
   switch (t.scalar_type()) {
@@ -75,35 +119,29 @@ void check_block_state(const at::Tensor& codes, const at::Tensor& scales, int64_
               "cpu_rule_step: moment ", moment, "'s scales must be ", num_blocks, " contiguous float32 values");
 }
 
-RangeFn range_of(int64_t isa) {
-  TORCH_CHECK(isa >= kScalar && isa <= kAvx512 && isa_supported(isa), "cpu_rule_step: instruction set ", isa,
-              " is not available on this CPU");
-  return isa == kAvx512 ? avx512_range() : isa == kAvx2 ? avx2_range() : scalar_range();
-}
-
 // The checked arguments of a block step (cpu_rule_step's, cpu_factored_step's).
 StepArgs rule_args(at::Tensor param, const at::Tensor& grad, at::TensorList codes, at::TensorList scales,
                    const c10::optional<at::Tensor>& weight_correction, at::TensorList tables,
-                   const at::Tensor& encoders, at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind,
-                   int64_t block_size, bool maximize, bool stochastic_round) {
+                   const at::Tensor& encoders, at::TensorList cells, at::TensorList values, int32_t functor,
+                   int64_t bits, int64_t block_size, bool maximize, bool stochastic_round) {
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous(), "cpu_rule_step: param must be a contiguous CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.scalar_type() == param.scalar_type() &&
                   grad.numel() == param.numel(),
               "cpu_rule_step: grad must be a contiguous CPU tensor of param's dtype and size");
-  TORCH_CHECK((rule >= kAdamW && rule <= kAdamWFactored) || rule == kMuon, "cpu_rule_step: unknown rule ", rule);
-  TORCH_CHECK(kind >= kDynamic8 && kind <= kFloat8, "cpu_rule_step: unknown state kind ", kind);
+  TORCH_CHECK(bits == 4 || bits == 8, "cpu_rule_step: moments of ", bits, " bits (4 or 8)");
+  const int32_t kind = bits == 4 ? kNibble4 : kBytes8;
   TORCH_CHECK(block_size >= 2 && block_size <= kMaxBlockSize && block_size % 4 == 0,
               "cpu_rule_step: block_size must be a multiple of 4 in [4, ", kMaxBlockSize, "], got ", block_size);
-  const RuleShape shape = kRuleShapes[rule];
+  const Functor& shape = functor_of(functor);
   const int64_t moment_count = static_cast<int64_t>(codes.size());
   TORCH_CHECK(moment_count >= shape.min_moments && moment_count <= shape.max_moments &&
                   static_cast<int64_t>(scales.size()) == moment_count &&
                   static_cast<int64_t>(tables.size()) == moment_count,
-              "cpu_rule_step: rule ", rule, " keeps ", shape.min_moments, " to ", shape.max_moments,
+              "cpu_rule_step: functor '", shape.name, "' keeps ", shape.min_moments, " to ", shape.max_moments,
               " moments, each with codes, scales and a decode table; got ", moment_count, " codes, ",
               scales.size(), " scales and ", tables.size(), " tables");
-  TORCH_CHECK(static_cast<int64_t>(values.size()) == shape.values, "cpu_rule_step: rule ", rule, " reads ",
-              shape.values, " host values, got ", values.size());
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == shape.constant_count, "cpu_rule_step: functor '",
+              shape.name, "' reads ", shape.constant_count, " host values, got ", values.size());
   StepArgs a{};
   switch (param.scalar_type()) {
     case at::kFloat: a.param_dtype = kFloat32; break;
@@ -142,9 +180,9 @@ StepArgs rule_args(at::Tensor param, const at::Tensor& grad, at::TensorList code
 
   a.param = param.data_ptr();
   a.grad = grad.data_ptr();
-  a.rule = static_cast<int32_t>(rule);
+  a.functor = functor;
   a.moment_count = static_cast<int32_t>(moment_count);
-  a.kind = static_cast<int32_t>(kind);
+  a.kind = kind;
   a.numel = param.numel();
   a.block_size = block_size;
   if (weight_correction.has_value()) {
@@ -180,13 +218,13 @@ StepArgs rule_args(at::Tensor param, const at::Tensor& grad, at::TensorList code
 // tasks of about 64K elements: large enough that a task's overhead is negligible, small enough
 // that a few large parameters still spread over every thread; a parameter smaller than a task
 // is one task, so many small ones spread too.
-void run_blocks(const std::vector<StepArgs>& steps, int64_t isa) {
+void run_blocks(const std::vector<StepArgs>& steps, const IsaPath& isa) {
   if (steps.empty()) return;
-  RangeFn run = range_of(isa);
-  const StepArgs& first = steps.front();  // every parameter of a call shares kind and block size
-  const int64_t width = isa == kAvx512 ? 16 : isa == kAvx2 ? 8 : 1;
+  const StepArgs& first = steps.front();  // every parameter of a call shares functor, kind and block size
   const int64_t vector_span = first.kind == kNibble4 ? first.block_size / 2 : first.block_size;
-  if (vector_span % width != 0) run = scalar_range();  // a block the vectors do not tile
+  // A block the vectors do not tile steps on the portable path.
+  const FunctorTable table = vector_span % isa.width == 0 ? isa.functors() : scalar_functors();
+  const RangeFn run = table.rows[first.functor].run;
   const int64_t grain = std::max<int64_t>(1, kElementsPerTask / first.block_size);
   // first_task[i]: the index of parameter i's first task; its tasks are `grain` blocks each.
   std::vector<int64_t> first_task(steps.size() + 1, 0);
@@ -212,7 +250,7 @@ void run_blocks(const std::vector<StepArgs>& steps, int64_t isa) {
 struct StepBatch {
   StepBatch(at::TensorList params, at::TensorList grads, at::TensorList codes, at::TensorList scales,
             at::TensorList weight_corrections, at::TensorList tables, const at::Tensor& encoders,
-            at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind, int64_t block_size,
+            at::TensorList cells, at::TensorList values, int32_t functor, int64_t bits, int64_t block_size,
             bool maximize, bool stochastic_round)
       : params(params), weight_corrections(weight_corrections) {
     const size_t count = params.size();
@@ -238,7 +276,7 @@ struct StepBatch {
       }
       steps.push_back(rule_args(works.back(), contiguous_grads.back(), codes.slice(i * moments, moments),
                                 scales.slice(i * moments, moments), correction, tables, encoders, cells,
-                                values.slice(i * value_count, value_count), rule, kind, block_size, maximize,
+                                values.slice(i * value_count, value_count), functor, bits, block_size, maximize,
                                 stochastic_round));
     }
   }
@@ -257,13 +295,15 @@ struct StepBatch {
 };
 
 void cpu_rule_step(at::TensorList params, at::TensorList grads, at::TensorList codes, at::TensorList scales,
-                   at::TensorList weight_corrections, at::TensorList tables, const at::Tensor& encoders,
-                   at::TensorList cells, at::TensorList values, int64_t rule, int64_t kind, int64_t block_size,
-                   bool maximize, bool stochastic_round, int64_t isa) {
-  TORCH_CHECK(rule != kAdamWFactored, "cpu_rule_step: the factored rule's step is cpu_factored_step");
-  const StepBatch batch(params, grads, codes, scales, weight_corrections, tables, encoders, cells, values, rule,
-                        kind, block_size, maximize, stochastic_round);
-  run_blocks(batch.steps, isa);
+                   at::TensorList weight_corrections, at::TensorList values, c10::string_view functor,
+                   at::TensorList tables, const at::Tensor& encoders, at::TensorList cells, int64_t bits,
+                   int64_t block_size, bool maximize, bool stochastic_round, c10::string_view isa) {
+  TORCH_CHECK(functor != "adamw_factored" && functor != "factored_statistics", "cpu_rule_step: functor '",
+              functor, "' has an operator of its own (cpu_factored_step, cpu_factored_statistics)");
+  const IsaPath& path = isa_path(isa);
+  const StepBatch batch(params, grads, codes, scales, weight_corrections, tables, encoders, cells, values,
+                        functor_row(functor), bits, block_size, maximize, stochastic_round);
+  run_blocks(batch.steps, path);
   batch.write_back();
 }
 
@@ -278,11 +318,13 @@ void check_statistic(const at::Tensor& statistic, int64_t size, const char* name
 // block step of the first moment with each element's second moment row[i] * col_normalized[j]
 // of the (rows, columns) view of the parameter, columns = col_normalized's length.
 void cpu_factored_step(at::TensorList params, at::TensorList grads, at::TensorList codes, at::TensorList scales,
-                       at::TensorList weight_corrections, at::TensorList rows, at::TensorList col_normalized,
-                       at::TensorList tables, const at::Tensor& encoders, at::TensorList cells, at::TensorList values,
-                       int64_t kind, int64_t block_size, bool maximize, bool stochastic_round, int64_t isa) {
-  StepBatch batch(params, grads, codes, scales, weight_corrections, tables, encoders, cells, values, kAdamWFactored,
-                  kind, block_size, maximize, stochastic_round);
+                       at::TensorList weight_corrections, at::TensorList values, at::TensorList rows,
+                       at::TensorList col_normalized, at::TensorList tables, const at::Tensor& encoders,
+                       at::TensorList cells, int64_t bits, int64_t block_size, bool maximize, bool stochastic_round,
+                       c10::string_view isa) {
+  const IsaPath& path = isa_path(isa);
+  StepBatch batch(params, grads, codes, scales, weight_corrections, tables, encoders, cells, values,
+                  functor_row("adamw_factored"), bits, block_size, maximize, stochastic_round);
   TORCH_CHECK(rows.size() == params.size() && col_normalized.size() == params.size(),
               "cpu_factored_step: one row statistic and one normalised column per parameter");
   for (size_t i = 0; i < params.size(); ++i) {
@@ -297,7 +339,7 @@ void cpu_factored_step(at::TensorList params, at::TensorList grads, at::TensorLi
     f.rows = row_count;
     f.columns = columns;
   }
-  run_blocks(batch.steps, isa);
+  run_blocks(batch.steps, path);
   batch.write_back();
 }
 
@@ -308,8 +350,8 @@ void cpu_factored_step(at::TensorList params, at::TensorList grads, at::TensorLi
 // at a time, the chunk's column sums divided by all_rows, saturated to float32 and added up in
 // float32 (saturated), as lowbit_optim/step/factored.py accumulates them.
 void factored_statistics(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& row,
-                         const at::Tensor& column_means, at::TensorList values, int64_t all_rows, int64_t chunk_rows,
-                         bool maximize, bool decoupled, int64_t isa) {
+                         const at::Tensor& column_means, double beta2, double weight_decay, int64_t all_rows,
+                         int64_t chunk_rows, bool maximize, bool decoupled, const IsaPath& isa) {
   const int64_t rows = row.numel(), columns = column_means.numel();
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == rows * columns && rows >= 1,
               "cpu_factored_statistics: grad must be a contiguous CPU tensor of rows * columns elements");
@@ -318,8 +360,8 @@ void factored_statistics(const at::Tensor& param, const at::Tensor& grad, const 
               "cpu_factored_statistics: param must be contiguous, of grad's size and dtype or float32");
   check_statistic(row, rows, "row");
   check_statistic(column_means, columns, "column_means");
-  TORCH_CHECK(values.size() == 2 && all_rows >= rows && chunk_rows >= 1,
-              "cpu_factored_statistics: beta2 and weight_decay, all_rows >= rows and chunk_rows >= 1");
+  TORCH_CHECK(all_rows >= rows && chunk_rows >= 1, "cpu_factored_statistics: all_rows (", all_rows,
+              ") must be at least the rows (", rows, ") and chunk_rows (", chunk_rows, ") at least 1");
   StepArgs a{};
   const auto dtype_of = [](const at::Tensor& t) -> int32_t {
     switch (t.scalar_type()) {
@@ -330,12 +372,13 @@ void factored_statistics(const at::Tensor& param, const at::Tensor& grad, const 
     }
     return kFloat32;  // unreachable
   };
-  a.rule = kFactoredStatistics;
+  a.functor = functor_row("factored_statistics");
   a.grad = grad.data_ptr();
   a.param_dtype = dtype_of(grad);
   a.maximize = maximize;
-  for (size_t i = 0; i < values.size(); ++i) a.rule_values[i] = scalar_of(values[i]);
   FactoredArgs& f = a.factored;
+  f.host_beta2 = beta2;
+  f.weight_decay = weight_decay;
   f.param = param.data_ptr();
   f.param_dtype = dtype_of(param);
   f.decoupled = decoupled;
@@ -349,10 +392,10 @@ void factored_statistics(const at::Tensor& param, const at::Tensor& grad, const 
   std::vector<double> column_sums(tiles_per_chunk * columns);
   f.column_sums = column_sums.data();
   f.row_statistics = row.data_ptr<float>();
-  f.beta2 = static_cast<float>(a.rule_values[0]);
+  f.beta2 = static_cast<float>(beta2);
   float* means = column_means.data_ptr<float>();
   std::fill(means, means + columns, 0.0f);
-  const RangeFn run = range_of(isa);
+  const RangeFn run = isa.functors().rows[a.functor].run;
   const double divisor = static_cast<double>(all_rows);
   constexpr double kFloat32Max = 3.4028234663852886e+38;
   for (int64_t first = 0; first < rows; first += chunk_rows) {
@@ -370,18 +413,21 @@ void factored_statistics(const at::Tensor& param, const at::Tensor& grad, const 
 }
 
 // factored_statistics of every parameter of the call, one after another (lists of one entry
-// per parameter; values: beta2 and weight_decay, shared).
+// per parameter; beta2 and weight_decay shared).
 void cpu_factored_statistics(at::TensorList params, at::TensorList grads, at::TensorList rows,
-                             at::TensorList column_means, at::TensorList values, at::IntArrayRef all_rows,
-                             at::IntArrayRef chunk_rows, bool maximize, bool decoupled, int64_t isa) {
+                             at::TensorList column_means, const at::Tensor& beta2, const at::Tensor& weight_decay,
+                             at::IntArrayRef all_rows, at::IntArrayRef chunk_rows, bool maximize, bool decoupled,
+                             c10::string_view isa) {
+  const IsaPath& path = isa_path(isa);
+  const double beta2_value = scalar_of(beta2), weight_decay_value = scalar_of(weight_decay);
   const size_t count = params.size();
   TORCH_CHECK(grads.size() == count && rows.size() == count && column_means.size() == count &&
                   all_rows.size() == count && chunk_rows.size() == count,
               "cpu_factored_statistics: one gradient, row statistic, column means, row count and chunk per "
               "parameter");
   for (size_t i = 0; i < count; ++i)
-    factored_statistics(params[i].contiguous(), grads[i].contiguous(), rows[i], column_means[i], values,
-                        all_rows[i], chunk_rows[i], maximize, decoupled, isa);
+    factored_statistics(params[i].contiguous(), grads[i].contiguous(), rows[i], column_means[i], beta2_value,
+                        weight_decay_value, all_rows[i], chunk_rows[i], maximize, decoupled, path);
 }
 
 // Between the two passes, for every parameter of the call: its column statistic accumulated,
@@ -419,24 +465,34 @@ void cpu_factored_columns(at::TensorList cols, at::TensorList column_means, at::
   }
 }
 
+// The names of the host values `functor` reads, in the order it reads them (its kConstants).
+std::vector<std::string> cpu_functor_constants(c10::string_view functor) {
+  const Functor& row = functor_of(functor_row(functor));
+  return std::vector<std::string>(row.constants, row.constants + row.constant_count);
+}
+
 }  // namespace
 }  // namespace lowbit_cpu
 
 TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
   m.def(
       "cpu_rule_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] codes, Tensor(c!)[] scales, "
-      "Tensor(d!)[] weight_corrections, Tensor[] tables, Tensor encoders, Tensor[] cells, Tensor[] values, "
-      "int rule, int kind, int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
+      "Tensor(d!)[] weight_corrections, Tensor[] values, *, str functor, Tensor[] tables, Tensor encoders, "
+      "Tensor[] cells, int bits, int block_size, bool maximize, bool stochastic_round, str isa) -> ()");
   m.def(
       "cpu_factored_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] codes, Tensor(c!)[] scales, "
-      "Tensor(d!)[] weight_corrections, Tensor[] rows, Tensor[] col_normalized, Tensor[] tables, Tensor encoders, "
-      "Tensor[] cells, Tensor[] values, int kind, int block_size, bool maximize, bool stochastic_round, int isa) -> ()");
+      "Tensor(d!)[] weight_corrections, Tensor[] values, *, Tensor[] rows, Tensor[] col_normalized, "
+      "Tensor[] tables, Tensor encoders, Tensor[] cells, int bits, int block_size, bool maximize, "
+      "bool stochastic_round, str isa) -> ()");
   m.def(
-      "cpu_factored_statistics(Tensor[] params, Tensor[] grads, Tensor(a!)[] rows, Tensor(b!)[] column_means, "
-      "Tensor[] values, int[] all_rows, int[] chunk_rows, bool maximize, bool decoupled, int isa) -> ()");
+      "cpu_factored_statistics(Tensor[] params, Tensor[] grads, Tensor(a!)[] rows, Tensor(b!)[] column_means, *, "
+      "Tensor beta2, Tensor weight_decay, int[] all_rows, int[] chunk_rows, bool maximize, bool decoupled, "
+      "str isa) -> ()");
   m.def(
-      "cpu_factored_columns(Tensor(a!)[] cols, Tensor[] column_means, Tensor(b!)[] col_normalized, "
+      "cpu_factored_columns(Tensor(a!)[] cols, Tensor[] column_means, Tensor(b!)[] col_normalized, *, "
       "Tensor beta2) -> ()");
+  // No tensor argument to dispatch on: one kernel for every backend.
+  m.def("cpu_functor_constants(str functor) -> str[]", &lowbit_cpu::cpu_functor_constants);
 }
 
 TORCH_LIBRARY_IMPL(lowbit_optim, CPU, m) {

@@ -131,5 +131,7 @@ struct V {
 #undef LOWBIT_ISA
 
 namespace lowbit_cpu {
-RangeFn scalar_range() { return &scalar::run_range; }
+FunctorTable scalar_functors() {
+  return {scalar::kFunctors, static_cast<int32_t>(std::size(scalar::kFunctors))};
+}
 }  // namespace lowbit_cpu

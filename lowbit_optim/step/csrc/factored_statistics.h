@@ -161,7 +161,7 @@ struct SquaredGradientTerms {
 // The tiles [first_tile, end_tile) of the chunk of rows from a.factored.first_row.
 void run_statistics(const StepArgs& a, int64_t first_tile, int64_t end_tile) {
   const FactoredArgs& f = a.factored;
-  const SquaredGradientTerms terms{1.0 - a.rule_values[0], a.rule_values[1], a.maximize != 0, f.decoupled == 0};
+  const SquaredGradientTerms terms{1.0 - f.host_beta2, f.weight_decay, a.maximize != 0, f.decoupled == 0};
   const int64_t columns = f.columns;
   const int64_t chunk_end = f.first_row + f.chunk_rows < f.rows ? f.first_row + f.chunk_rows : f.rows;
   alignas(64) float grad_buffer[kSegment];

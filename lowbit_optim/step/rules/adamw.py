@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import torch
 
-from lowbit_optim.step.cpu_kernel import DECOUPLED
 from lowbit_optim.step.functional import StepCache, step_params
 from lowbit_optim.step.hyperparams import StepOptions, check_hyperparameters
 from lowbit_optim.step.math import (
@@ -35,8 +34,9 @@ from lowbit_optim.step.rules.base import MomentSpec, UpdateRule
 
 
 class AdamWConstants(NamedTuple):
-    """What ``AdamWRule.update`` reads at one step count, 0-d CPU tensors. The C++ functor
-    (``csrc/rules/adamw.h``) reads these fields in this order."""
+    """What ``AdamWRule.update`` and the kernels read at one step count, 0-d CPU tensors. The C++
+    functors (``csrc/rules/adamw.h``, ``adamw_factored.h``) read these fields in this order
+    (``cpu_kernel.check_functor_constants``)."""
 
     lr: torch.Tensor
     beta1: torch.Tensor
@@ -45,6 +45,14 @@ class AdamWConstants(NamedTuple):
     weight_decay: torch.Tensor
     step: torch.Tensor
     decoupled: torch.Tensor  # float64 1 (decoupled weight decay) or 0 (L2): the functor's switch
+    # ``math.adam_ratio_bound`` at ``step``, computed here once per step count for the kernels
+    # (the C++ functor, the Triton piece through ``kernel_constants``), so the bound is written
+    # once; ``update`` forms its own inside the compiled graph.
+    max_ratio: torch.Tensor
+
+
+# The functor's ``decoupled`` value of each weight decay's kind.
+DECOUPLED = {True: torch.tensor(1.0, dtype=torch.float64), False: torch.tensor(0.0, dtype=torch.float64)}
 
 
 class AdamWRule(UpdateRule):
@@ -90,12 +98,13 @@ class AdamWRule(UpdateRule):
 
     def step_constants(self, scalars, step: torch.Tensor) -> AdamWConstants:
         return AdamWConstants(scalars.lr, scalars.beta1, scalars.beta2, scalars.eps, scalars.weight_decay,
-                              step, DECOUPLED[self.decoupled_weight_decay])
+                              step, DECOUPLED[self.decoupled_weight_decay],
+                              adam_ratio_bound(scalars.beta1, scalars.beta2, step))
 
     def corrections_and_bound(self, param, constants: AdamWConstants):
         """The bias corrections and Adam's bound on the ratio (``None`` unbounded) at the
         step of ``constants``, for ``update`` on ``param``'s device."""
-        _, beta1, beta2, _, _, step, _ = constants
+        _, beta1, beta2, _, _, step = constants[:6]
         if not self.bounded:
             return bias_corrections(beta1, beta2, step), None
         if param.device.type == "cpu":
@@ -107,7 +116,7 @@ class AdamWRule(UpdateRule):
         return bias_corrections(beta1, beta2, step), adam_ratio_bound(beta1, beta2, step)
 
     def update(self, param, grad, moments: tuple, constants: AdamWConstants):
-        lr, beta1, beta2, eps, weight_decay, step, _ = constants
+        lr, beta1, beta2, eps, weight_decay, step = constants[:6]
         if not self.decoupled_weight_decay:
             grad = l2_decayed_gradient(param, grad, weight_decay)
         exp_avg, exp_avg_sq, *maximum = moments
@@ -125,7 +134,8 @@ class AdamWRule(UpdateRule):
         lr, beta1, beta2, eps, weight_decay, step = (float(value) for value in constants[:6])
         return adamw_kernel_constants(
             lr, beta1, beta2, eps, weight_decay, step,
-            l2_decay=bool(adamw_kernel_variant(self.decoupled_weight_decay, weight_decay)))
+            l2_decay=bool(adamw_kernel_variant(self.decoupled_weight_decay, weight_decay)),
+            max_ratio=float(constants.max_ratio))
 
     def __repr__(self) -> str:
         decay = "decoupled" if self.decoupled_weight_decay else "L2"
@@ -165,7 +175,7 @@ class AdamWFactoredRule(AdamWRule):
         return self.for_factored(options)
 
     def update(self, param, grad, moments: tuple, constants: AdamWConstants):
-        lr, beta1, _, eps, weight_decay, _, _ = constants
+        lr, beta1, _, eps, weight_decay = constants[:5]
         if not self.decoupled_weight_decay:
             grad = l2_decayed_gradient(param, grad, weight_decay)
         exp_avg, second_moment = moments

@@ -56,8 +56,9 @@ class UpdateRule:
     # INTERPRETED) -> (new_param, new_moments)`` on float32 values, ``constants`` from
     # ``kernel_constants``. ``None``: the rule steps through the compiled step on every backend.
     kernel_update = None
-    # The C++ CPU kernel's functor of this rule (a key of ``cpu_kernel.RULE_FUNCTORS``; it reads
-    # ``step_constants``' fields in order), or None: the compiled step serves ``backend="cpu"``.
+    # The name of the C++ CPU kernel's functor of this rule (a row of ``csrc/cpu_step_kernel.h``'s
+    # ``kFunctors``; it reads ``step_constants``' fields in their order, which
+    # ``cpu_kernel.check_functor_constants`` checks), or None: the compiled step serves ``backend="cpu"``.
     cpu_functor: str | None = None
 
     def moment_keys(self, group: dict) -> tuple[str, ...]:

@@ -1,9 +1,10 @@
 // The AdamW (and Adam, L2 decay) rule's element-wise step for the CPU kernel: the update of
 // lowbit_optim/step/math.py::adamw_update, operation for operation, in float32.
 //
-// Host values (cpu_step_args.h's kRuleShapes): lr, beta1, beta2, eps, weight_decay, step,
-// decoupled (1: AdamW's decoupled decay, 0: Adam's L2 term). Moments: exp_avg, exp_avg_sq and,
-// with amsgrad, max_exp_avg_sq. Included by cpu_step_kernel.h once per instruction set, with V
+// Host values: AdamWMath::kConstants, lowbit_optim/step/rules/adamw.py's AdamWConstants
+// (decoupled: 1 for AdamW's decoupled decay, 0 for Adam's L2 term; max_ratio: that step's
+// math.adam_ratio_bound, computed by the host). Moments: exp_avg, exp_avg_sq and, with amsgrad,
+// max_exp_avg_sq. Included by cpu_step_kernel.h once per instruction set, with V
 // that set's vector operations; the kernel applies the shared policies (maximize, a non-finite
 // gradient keeping its element, rounding, master weights) around `update`.
 #pragma once
@@ -18,27 +19,26 @@ namespace {
 // the parameter's update from the new moments.
 struct AdamWMath {
   using F = V::F;
+  // The host values it reads, in this order (rule_values[0], [1], ...).
+  static constexpr const char* kConstants[] = {"lr",           "beta1", "beta2",     "eps",
+                                               "weight_decay", "step",  "decoupled", "max_ratio"};
   // As adamw_update computes them from 0-d float64 tensors: every 0-d result is float64,
   // rounded to float32 where it meets a float32 tensor; the bias corrections are pow and sqrt
   // in float64, as torch's scalar kernels compute them.
   float one_minus_beta1, beta2, one_minus_beta2, step_size, eps;
   ConstantDivisor bias_correction2_sqrt;
-  float max_ratio;     // step.math.adam_ratio_bound: |exp_avg / denom| is clamped to it
+  float max_ratio;     // |exp_avg / denom| is clamped to it
   float decay;         // 1 - lr * weight_decay (decoupled)
   float weight_decay;  // L2 (not decoupled)
   bool decoupled;
 
   explicit AdamWMath(const StepArgs& a) {
-    const double lr = a.rule_values[0], beta1_v = a.rule_values[1], beta2_v = a.rule_values[2];
-    const double eps_v = a.rule_values[3], weight_decay_v = a.rule_values[4], step = a.rule_values[5];
-    decoupled = a.rule_values[6] != 0.0;
+    const double* v = a.rule_values;  // kConstants' order
+    const double lr = v[0], beta1_v = v[1], beta2_v = v[2], eps_v = v[3], weight_decay_v = v[4], step = v[5];
+    decoupled = v[6] != 0.0;
+    max_ratio = static_cast<float>(v[7]);
     const double bias_correction1 = 1.0 - __builtin_pow(beta1_v, step);
     const double correction2_sqrt = __builtin_sqrt(1.0 - __builtin_pow(beta2_v, step));
-    // step.math.adam_ratio_bound, operation for operation (torch squares with a multiply).
-    const double gamma = beta1_v * beta1_v / beta2_v;
-    const double geometric = gamma == 1.0 ? step : (1.0 - __builtin_pow(gamma, step)) / (1.0 - gamma);
-    const double bound = (1.0 - beta1_v) * __builtin_sqrt(geometric / (1.0 - beta2_v)) * correction2_sqrt;
-    max_ratio = beta2_v <= 0.0 ? __builtin_inff() : static_cast<float>(bound);
     one_minus_beta1 = static_cast<float>(1.0 - beta1_v);
     beta2 = static_cast<float>(beta2_v);
     one_minus_beta2 = static_cast<float>(1.0 - beta2_v);

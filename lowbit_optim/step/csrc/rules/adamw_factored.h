@@ -3,9 +3,10 @@
 //
 // One moment, the quantized first; the second moment of the element at flat index f is
 // row[i] * col_normalized[j], i = f / columns (clamped to the last row: the zero padding of a
-// partial last block reads it), j = f - (f / columns) * columns. Host values and the update are
-// AdamW's (rules/adamw.h: AdamWMath, shared, so the parameter's update is written once), with
-// this step's row statistics and normalised columns read from StepArgs::factored. The kernel's
+// partial last block reads it), j = f - (f / columns) * columns. Host values
+// (AdamWMath::kConstants) and the update are AdamW's (rules/adamw.h: AdamWMath, shared, so the
+// parameter's update is written once), with this step's row statistics and normalised columns
+// read from StepArgs::factored. The kernel's
 // shared policies (maximize, a non-finite gradient keeping its element, rounding, master
 // weights) wrap `update` as for every rule.
 #pragma once

@@ -5,9 +5,9 @@
 //   nu <- nu * beta2 + ((1 - beta2) * g) * g;  denom = sqrt(nu) / sqrt(bc2) + eps
 //   p  <- p * (1 - lr * wd) - lr * (clamp(m1 / denom, fast_bound) / bc1 + alpha * clamp(m2 / denom, slow_bound))
 //
-// Host values (cpu_step_args.h's kRuleShapes): AdEMAMixConstants' fields in order, the alpha
-// and beta3 schedules, bias corrections and bounds already applied by the host at this step
-// count. Moments: exp_avg, exp_avg_slow, exp_avg_sq. Included by cpu_step_kernel.h once per
+// Host values: AdEMAMixRule::kConstants, lowbit_optim/step/rules/ademamix.py's
+// AdEMAMixConstants, the alpha and beta3 schedules, bias corrections and bounds already applied
+// by the host at this step count. Moments: exp_avg, exp_avg_slow, exp_avg_sq. Included by cpu_step_kernel.h once per
 // instruction set, with V that set's vector operations; the kernel applies the shared
 // policies around `update`.
 #pragma once
@@ -20,6 +20,10 @@ namespace {
 struct AdEMAMixRule {
   using F = V::F;
   static constexpr int kMoments = 3;
+  // The host values it reads, in this order (rule_values[0], [1], ...).
+  static constexpr const char* kConstants[] = {
+      "lr",           "beta1",           "beta2",                 "beta3",      "alpha",     "eps",
+      "weight_decay", "bias_correction1", "bias_correction2_sqrt", "fast_bound", "slow_bound"};
   // 0-d float64 values and their float64 combinations, rounded to float32 where they meet a
   // float32 tensor (as torch rounds a float64 0-d tensor there).
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, alpha, eps, decay;
@@ -27,7 +31,7 @@ struct AdEMAMixRule {
   ConstantDivisor bias_correction2_sqrt;
 
   explicit AdEMAMixRule(const StepArgs& a) {
-    const double* v = a.rule_values;  // lr, beta1, beta2, beta3, alpha, eps, weight_decay, bc1, bc2_sqrt, bounds
+    const double* v = a.rule_values;  // kConstants' order
     lr = static_cast<float>(v[0]);
     beta1 = static_cast<float>(v[1]);
     one_minus_beta1 = static_cast<float>(1.0 - v[1]);

@@ -4,8 +4,7 @@
 //   p <- p * (1 - lr * weight_decay) - lr * sign(m * beta1 + g * (1 - beta1))
 //   m <- m * beta2 + g * (1 - beta2)
 //
-// Host values (cpu_step_args.h's kRuleShapes): LionConstants' fields, lr, beta1, beta2,
-// weight_decay. One moment, exp_avg. Included by cpu_step_kernel.h once per instruction set,
+// Host values: LionRule::kConstants, lowbit_optim/step/rules/lion.py's LionConstants. One moment, exp_avg. Included by cpu_step_kernel.h once per instruction set,
 // with V that set's vector operations; the kernel applies the shared policies around `update`.
 #pragma once
 #include "../cpu_step_args.h"
@@ -17,13 +16,15 @@ namespace {
 struct LionRule {
   using F = V::F;
   static constexpr int kMoments = 1;
+  // The host values it reads, in this order (rule_values[0], [1], ...).
+  static constexpr const char* kConstants[] = {"lr", "beta1", "beta2", "weight_decay"};
   // 0-d float64 values and their float64 combinations, rounded to float32 where they meet a
   // float32 tensor (as torch rounds a float64 0-d tensor there).
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay;
 
   explicit LionRule(const StepArgs& a) {
-    const double lr_v = a.rule_values[0], beta1_v = a.rule_values[1], beta2_v = a.rule_values[2];
-    const double weight_decay = a.rule_values[3];
+    const double* v = a.rule_values;  // kConstants' order
+    const double lr_v = v[0], beta1_v = v[1], beta2_v = v[2], weight_decay = v[3];
     lr = static_cast<float>(lr_v);
     beta1 = static_cast<float>(beta1_v);
     one_minus_beta1 = static_cast<float>(1.0 - beta1_v);

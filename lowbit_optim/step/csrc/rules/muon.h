@@ -7,7 +7,7 @@
 //
 // with lerp(start, end, w) = w * (end - start) + start for |w| < 0.5, else
 // (w - 1) * (end - start) + end, the compiled step's form (no fused multiply-add).
-// Host values (cpu_step_args.h's kRuleShapes): MuonConstants' fields, momentum, nesterov.
+// Host values: MuonRule::kConstants, lowbit_optim/step/rules/muon.py's MuonConstants.
 // One moment, momentum_buffer. Included by cpu_step_kernel.h once per instruction set, with V
 // that set's vector operations; the kernel applies the shared policies around `update`.
 #pragma once
@@ -22,6 +22,8 @@ namespace {
 struct MuonRule {
   using F = V::F;
   static constexpr int kMoments = 1;
+  // The host values it reads, in this order (rule_values[0], [1]).
+  static constexpr const char* kConstants[] = {"momentum", "nesterov"};
   // Each lerp's float32 weight (0-d float64 values rounded where they meet a float32 tensor),
   // as its coefficient and whether it starts from `end`.
   float momentum_coefficient, nesterov_coefficient;
