@@ -3,7 +3,7 @@
 eager step with a correctly rounded square root (the same float32 operations, without a
 compile per variant).
 
-The element pass (``csrc/rules/adamw_factored.h``) performs ``factored_adamw_step``'s float32
+The element pass (``csrc/rules/adamw_factored.h``) performs ``AdamWFactoredRule.update``'s float32
 operations in its order (AdamW's update shared with ``rules/adamw.h``), so from the same
 statistics the first moment's codes and scales and the parameters are compared for exact
 equality: every instruction-set path, odd shapes (columns that are not a multiple of the block,

@@ -1,7 +1,7 @@
 """The Triton kernel on a real GPU against the CPU reference.
 
 Every test here is marked ``cuda`` (skipped without a GPU; ``benchmarks/gpu_check.sh`` runs
-them). They compare the compiled kernel with ``quantized_adamw_step`` run eagerly **on the
+them). They compare the compiled kernel with the AdamW rule's quantized step run eagerly **on the
 CPU**, with the bounds the kernel documents (``tests/kernel_helpers.py``: scales
 identical, codes one map step at most and only next to a bin edge, parameters within one ulp
 plus 2**-20 of the update), and check what only a GPU shows: groups past 2**31 elements,

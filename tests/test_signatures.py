@@ -1,6 +1,6 @@
 """No function of the package takes more than six positional parameters: past that, a call
 reads as a row of values whose meaning depends on their order. Options go after ``*``, and
-values that travel together are one named object (``FactoredBlocks``, ``ParamStep``, ...).
+values that travel together are one named object (``RuleEntry``, ``StepOptions``, ...).
 
 Excepted, by decorator: ``@triton.jit`` kernels and helpers, whose parameters are what a GPU
 launch or an inlined call passes (their host side builds the arguments from named objects),

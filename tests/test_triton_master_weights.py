@@ -188,7 +188,7 @@ def test_zero_learning_rate_leaves_parameter_and_correction_bit_for_bit(bits, dt
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_matches_the_reference_step_within_the_float32_bounds(kind, bits, dtype):
     """Each step from the reference's state (maximize; the schedule's weight decay): the
-    eager ``quantized_adamw_step``, the oracle of both the kernel and the compiled step."""
+    eager quantized step of the AdamW rule, the oracle of both the kernel and the compiled step."""
     cases = master_cases(kind, bits, amsgrad=False, dtype=dtype)
     reference = [(p.clone(), c.clone(), [s.clone() for s in states]) for p, c, states in cases]
     for step, (lr, betas, weight_decay) in enumerate(SCHEDULE, start=1):

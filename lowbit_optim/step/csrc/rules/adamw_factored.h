@@ -1,5 +1,5 @@
 // AdamW with a factored second moment (AdamWFactored4bit) for the CPU kernel: the element pass
-// of lowbit_optim/step/factored.py::factored_adamw_step, operation for operation, in float32.
+// of lowbit_optim/step/rules/adamw.py::AdamWFactoredRule.update, operation for operation, in float32.
 //
 // One moment, the quantized first; the second moment of the element at flat index f is
 // row[i] * col_normalized[j], i = f / columns (clamped to the last row: the zero padding of a
