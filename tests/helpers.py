@@ -8,7 +8,7 @@ from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
 from lowbit_optim.formats import catalog as formats
-from lowbit_optim.step import factored, rule_step
+from lowbit_optim.step import cpu_kernel, factored, rule_step
 from lowbit_optim.step.chunks import TailScratch
 from lowbit_optim.step.hyperparams import StepOptions
 from lowbit_optim.step.math import StepScalars
@@ -210,3 +210,21 @@ def assert_same_quantized(states, expected_states):
         torch.testing.assert_close(state.scales, expected.scales, rtol=0, atol=0)
         mismatched = (state.codes != expected.codes).nonzero()
         assert mismatched.numel() == 0, f"{len(mismatched)} codes differ, first at {mismatched[:5].tolist()}"
+
+
+def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
+                   stochastic_round: bool, decoupled_weight_decay: bool = True,
+                   isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
+    """One AdamW parameter's step with the kernel, in place: the compiled step's result.
+
+    ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
+    of the whole parameter; ``scalars``: ``lr``, ``beta1``, ``beta2``, ``eps``,
+    ``weight_decay`` and ``step``, 0-d CPU tensors (``math.StepScalars``). ``isa`` forces a path
+    (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``). ``weight_correction``
+    as in ``cpu_kernel.cpu_rule_step``.
+    """
+    moments = (exp_avg, exp_avg_sq) if max_exp_avg_sq is None else (exp_avg, exp_avg_sq, max_exp_avg_sq)
+    rule = ADAMW.for_decay(decoupled_weight_decay)
+    cpu_kernel.cpu_rule_step(param, grad, moments, rule.step_constants(scalars, scalars.step),
+                             functor=rule.cpu_functor, weight_correction=weight_correction,
+                             options=cpu_kernel.KernelOptions(maximize, stochastic_round, isa))

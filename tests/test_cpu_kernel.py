@@ -21,6 +21,7 @@ from helpers import (
     KernelSetup,
     assert_same_quantized,
     available_isas,
+    cpu_adamw_step,
     make_scalars,
     run_quantized_step,
     spread_gradient,
@@ -55,7 +56,7 @@ def run_both(setup, grad, scalars, isa, **flags):
     param, states = setup.copies()
     entry = setup.entry(param, grad, states)
     full = {"maximize": False, "stochastic_round": False, "decoupled_weight_decay": True, **flags}
-    cpu_kernel.cpu_adamw_step(param, grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq, scalars,
+    cpu_adamw_step(param, grad, entry.exp_avg, entry.exp_avg_sq, entry.max_exp_avg_sq, scalars,
                               isa=isa, **full)
     return (param, states), (ref_param, ref_states)
 
@@ -254,7 +255,7 @@ def test_non_contiguous_parameter(kernel, ieee_sqrt):
     ref_param, ref_states = setup.param.clone().t().contiguous().t(), [s.clone() for s in setup.states]
     setup.reference_step(ref_param, ref_states, grad, make_scalars(step=setup.step))
     param, states = setup.param, setup.states
-    cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, make_scalars(step=setup.step),
+    cpu_adamw_step(param, grad, states[0], states[1], None, make_scalars(step=setup.step),
                               maximize=False, stochastic_round=False)
     assert not param.is_contiguous()
     assert_same_quantized(states, ref_states)
@@ -272,7 +273,7 @@ def test_bit_identical_at_1_and_3_threads(kernel, pair):
             param, states = setup.copies()
             torch.manual_seed(1)
             grad = spread_gradient((300_001,), torch.bfloat16, setup.generator)
-            cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], states[2],
+            cpu_adamw_step(param, grad, states[0], states[1], states[2],
                                       make_scalars(step=setup.step), maximize=False, stochastic_round=True)
             results.append((param, states))
     (param_1, states_1), (param_3, states_3) = results
@@ -291,13 +292,13 @@ def test_bf16_stochastic_rounding_is_unbiased_and_seeded(kernel):
     grad = spread_gradient((numel,), torch.bfloat16, setup.generator)
     scalars = make_scalars(lr=3e-3, step=setup.step)
     exact, exact_states = setup.param.float(), [s.clone() for s in setup.states]
-    cpu_kernel.cpu_adamw_step(exact, grad.float(), *exact_states, None, scalars, maximize=False,
+    cpu_adamw_step(exact, grad.float(), *exact_states, None, scalars, maximize=False,
                               stochastic_round=False)
     rounded = []
     for seed in (5, 5, 6):
         param, states = setup.copies()
         torch.manual_seed(seed)
-        cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
+        cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
                                   stochastic_round=True)
         assert_same_quantized(states, exact_states)
         rounded.append(param)
@@ -325,7 +326,7 @@ def test_matches_compiled_step(kernel):
         run_quantized_step("compile", setup.entry(compiled_param, grad, compiled_states), scalars,
                            TailScratch(), maximize=False, stochastic_round=False)
         param, states = setup.copies()
-        cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
+        cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
                                   stochastic_round=False)
         assert_same_quantized(states, compiled_states)
         torch.testing.assert_close(param, compiled_param, rtol=0, atol=0)

@@ -17,6 +17,7 @@ from helpers import (
     KernelSetup,
     assert_same_quantized,
     available_isas,
+    cpu_adamw_step,
     make_scalars,
     run_quantized_step,
     spread_gradient,
@@ -74,7 +75,7 @@ class MasterSetup(KernelSetup):
 def kernel_step(setup, grad, scalars, isa, **flags):
     param, states, correction = setup.copies()
     full = {"maximize": False, "stochastic_round": False, "decoupled_weight_decay": True, **flags}
-    cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], states[2] if len(states) == 3 else None,
+    cpu_adamw_step(param, grad, states[0], states[1], states[2] if len(states) == 3 else None,
                               scalars, isa=isa, weight_correction=correction, **full)
     return param, states, correction
 
@@ -194,7 +195,7 @@ def test_non_contiguous_parameter_and_correction(kernel, ieee_sqrt):
         scalars = make_scalars(step=setup.step)
         expected = reference(setup, grad, scalars, "eager")
         param, states, correction = setup.copies()  # clones keep the column-major strides
-        cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
+        cpu_adamw_step(param, grad, states[0], states[1], None, scalars, maximize=False,
                                   stochastic_round=False, weight_correction=correction)
         assert not param.is_contiguous() and not correction.is_contiguous()
         assert_same_master((param, states, correction), expected)
@@ -205,10 +206,10 @@ def test_the_operator_refuses_what_master_weights_exclude(kernel):
     grad = spread_gradient((300,), torch.bfloat16, setup.generator)
     param, states, correction = setup.copies()
     with pytest.raises(RuntimeError, match="stochastic rounding with a weight correction"):
-        cpu_kernel.cpu_adamw_step(param, grad, states[0], states[1], None, make_scalars(step=setup.step),
+        cpu_adamw_step(param, grad, states[0], states[1], None, make_scalars(step=setup.step),
                                   maximize=False, stochastic_round=True, weight_correction=correction)
     with pytest.raises(RuntimeError, match="needs a bfloat16 or float16 parameter, got Float"):
-        cpu_kernel.cpu_adamw_step(param.float(), grad.float(), states[0], states[1], None,
+        cpu_adamw_step(param.float(), grad.float(), states[0], states[1], None,
                                   make_scalars(step=setup.step), maximize=False, stochastic_round=False,
                                   weight_correction=correction)
     assert torch.equal(param.view(torch.int16), setup.param.view(torch.int16))  # nothing written

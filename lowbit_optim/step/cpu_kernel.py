@@ -345,22 +345,3 @@ def kernel_batches(entries: list[tuple], functor: str) -> list[KernelBatch]:
                entry.param.dtype, None if correction is None else correction.dtype)
         batches.setdefault(key, []).append((index, entry))
     return [KernelBatch(members, functor) for members in batches.values()]
-
-
-def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *, maximize: bool,
-                   stochastic_round: bool, decoupled_weight_decay: bool = True,
-                   isa: str | None = None, weight_correction: torch.Tensor | None = None) -> None:
-    """One AdamW parameter's step with the kernel, in place: the compiled step's result.
-
-    ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` or ``None``) are ``QuantizedState``s
-    of the whole parameter; ``scalars``: ``lr``, ``beta1``, ``beta2``, ``eps``,
-    ``weight_decay`` and ``step``, 0-d CPU tensors (``math.StepScalars``). ``isa`` forces a path
-    (``"avx512"``, ``"avx2"``, ``"scalar"``; default ``default_isa()``). ``weight_correction``
-    as in ``cpu_rule_step``.
-    """
-    from lowbit_optim.step.rules.adamw import ADAMW  # the rules import this module
-
-    moments = (exp_avg, exp_avg_sq) if max_exp_avg_sq is None else (exp_avg, exp_avg_sq, max_exp_avg_sq)
-    rule = ADAMW.for_decay(decoupled_weight_decay)
-    cpu_rule_step(param, grad, moments, rule.step_constants(scalars, scalars.step), functor=rule.cpu_functor,
-                  options=KernelOptions(maximize, stochastic_round, isa), weight_correction=weight_correction)

@@ -57,9 +57,6 @@ class FactoredKernel:
 
     def __init__(self, entries: list[tuple], column_means: list[torch.Tensor],
                  col_normalized: list[torch.Tensor], all_rows: list[int], isa: str | None = None):
-        from lowbit_optim.step.rules.adamw import ADAMW  # the rules import this module's importers
-
-        self.rule = ADAMW  # whose step_constants the update pass's functor reads
         self.isa = isa or default_isa()
         self.indices = [index for index, _ in entries]
         self.params = [entry.param.detach() for _, entry in entries]
@@ -104,22 +101,16 @@ class FactoredKernel:
         torch.ops.lowbit_optim.cpu_factored_columns([*map(_COL, self.exp_avg_sqs)], self.column_means,
                                                     self.col_normalized, beta2=hyper.beta2)
 
-    def update(self, grads: list[torch.Tensor], hyper, *, maximize: bool, stochastic_round: bool,
-               decoupled_weight_decay: bool) -> None:
+    def update(self, grads: list[torch.Tensor], constants_of, *, maximize: bool,
+               stochastic_round: bool) -> None:
         """The update pass, in place: one call per first-moment format, block size and presence
-        of a master weight correction. Each parameter's values are AdamW's ``step_constants`` at
-        its step count (worked out once per count: Adam's bound is a dozen 0-d host operations);
-        the kernel forms the bias corrections from them."""
-        rule = self.rule.for_decay(decoupled_weight_decay)
-        per_count = {}
+        of a master weight correction. Each parameter's values are ``constants_of(step)``, the
+        plan's rule's ``step_constants`` at its step count (AdamW's: the functor's order); the
+        kernel forms the bias corrections from them."""
         for call in self.update_calls:
-            values = []
-            for step in call.steps:
-                count = float(step)
-                if count not in per_count:
-                    per_count[count] = rule.step_constants(hyper, step)
-                values.extend(per_count[count])
-            check_functor_constants(_FUNCTOR, type(per_count[count]))
+            constants = [constants_of(step) for step in call.steps]
+            check_functor_constants(_FUNCTOR, type(constants[0]))
+            values = [value for step_values in constants for value in step_values]
             torch.ops.lowbit_optim.cpu_factored_step(
                 call.params, [grads[i] for i in call.indices], [*map(_CODES, call.exp_avgs)],
                 [*map(_SCALES, call.exp_avgs)], call.corrections, values, rows=[*map(_ROW, call.exp_avg_sqs)],

@@ -163,15 +163,16 @@ class FactoredParams:
                 [entries[p] for p in taken], [self.column_means[p] for p in taken],
                 [self.normalized_columns[p] for p in taken], [self.all_rows[p] for p in taken], kernel_isa)
 
-    def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, step_elements, *, maximize: bool,
-            stochastic_round: bool, decoupled_weight_decay: bool) -> None:
+    def run(self, backend: str, grads: list[torch.Tensor], hyper, scratch, step_elements, *, constants_of,
+            maximize: bool, stochastic_round: bool, decoupled_weight_decay: bool) -> None:
         """One step of every factored parameter (``hyper``: the group's ``lr``, ``beta1``,
         ``beta2``, ``eps`` and ``weight_decay``, 0-d tensors; each entry has its own step):
         the statistics pass, then the element pass: the C++ kernel's for the parameters it
         takes, ``step_elements(entry, read_moments)`` for the others, the generic quantized
         step of ``rule_step.RulePlan`` over the entry's first moment, with
         ``read_moments(first_element)`` the second moment it reads for the chunk of blocks
-        from that element (``FactoredMoment``)."""
+        from that element (``FactoredMoment``); ``constants_of(step)``: the rule's
+        ``step_constants`` at a step count, which the kernel's element pass reads."""
         flags = dict(maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         kernel = self.kernel
         for position, (index, entry) in enumerate(self.entries):
@@ -196,7 +197,8 @@ class FactoredParams:
             step_elements(entry._replace(grad=grads[index], moments=(exp_avg,)),
                           self._read_moments(factored.row, col_normalized, scratch))
         if any(kernel):
-            self._kernel_update(kernel, grads, hyper, stochastic_round=stochastic_round, flags=flags)
+            self.kernel_passes.update(grads, constants_of, maximize=maximize,
+                                      stochastic_round=stochastic_round)
 
     def _kernel_statistics(self, kernel: list[bool], grads, hyper, *, flags) -> None:
         """Pass 1 of the parameters the C++ kernel takes, in one call: ``_accumulate_statistics``'
@@ -207,11 +209,6 @@ class FactoredParams:
         """The column statistics of the parameters the C++ kernel takes, accumulated and
         normalised in one call (three foreach operations and three per parameter otherwise)."""
         self.kernel_passes.columns(hyper)
-
-    def _kernel_update(self, kernel: list[bool], grads, hyper, *, stochastic_round: bool, flags) -> None:
-        """The update pass of the parameters the C++ kernel takes: one call per first-moment
-        format, block size and presence of a master weight correction."""
-        self.kernel_passes.update(grads, hyper, stochastic_round=stochastic_round, **flags)
 
     @staticmethod
     def _accumulate_statistics(backend, entry, hyper, column_means, all_rows: int, scratch, *,

@@ -190,7 +190,7 @@ class RulePlan:
                                 read_moments=read_moments)
 
             self.factored.run(dispatch.COMPILE if self.compiled else dispatch.EAGER, grads, scalars, scratch,
-                              step_elements, maximize=options.maximize,
+                              step_elements, constants_of=constants_of, maximize=options.maximize,
                               stochastic_round=options.stochastic_round,
                               decoupled_weight_decay=options.decoupled_weight_decay)
         kernel_options = cpu_kernel.KernelOptions(options.maximize, options.stochastic_round, self.isa)
