@@ -33,9 +33,13 @@ class _LowBitMuon(LowBitOptimizer):
                  adamw_lr=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=None,
                  maximize=False, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
                  master_weight_bits=None, backend=None):
+        # ``block_size=None``: each part's own default, the momentum format's for Muon groups
+        # (Muon4bit: 64, which its accuracy needs) and the AdamW formats' for the rest.
         self.muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                   ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-                                  adjust_lr_fn=adjust_lr_fn)
+                                  adjust_lr_fn=adjust_lr_fn,
+                                  block_size=self.momentum_format.default_block_size if block_size is None
+                                  else block_size)
         self.adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr, betas=adamw_betas, eps=adamw_eps,
             weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
@@ -144,9 +148,9 @@ class Muon8bit(_LowBitMuon):
 
 
 class Muon4bit(_LowBitMuon):
-    """``Muon8bit`` with 4-bit state: Muon's momentum in NF4 (normal quantiles), blocks of 128
-    (0.531 bytes/param), and ``AdamW4bit`` for the rest. Same arguments, ``block_size=128``
-    by default."""
+    """``Muon8bit`` with 4-bit state: Muon's momentum in NF4 (normal quantiles), blocks of 64
+    (0.5625 bytes/param), and ``AdamW4bit`` (blocks of 128) for the rest. Same arguments;
+    ``block_size`` given sets both parts' blocks."""
 
     momentum_format = NORMAL_4BIT_SIGNED
     signed_format = DYNAMIC_4BIT_SIGNED
