@@ -64,6 +64,7 @@ METHODS = {
     "dynamic4-sr": ("4-bit dynamic map, stochastic rounding", blockwise(Dyn4, 128, stochastic_rounding=True)),
     "linear4": ("4-bit linear int4", blockwise(Lin4, 128)),
     "normal4": ("4-bit normal quantiles", blockwise(Nf4, 128)),
+    "normal4-64": ("4-bit normal quantiles", blockwise(Nf4, 64)),
     "rotated-linear4": ("Hadamard + 4-bit linear int4", blockwise(Lin4, 128, rotate=True)),
     "rotated-normal4": ("Hadamard + 4-bit normal quantiles", blockwise(Nf4, 128, rotate=True)),
     "rotated-normal4-64": ("Hadamard + 4-bit normal quantiles", blockwise(Nf4, 64, rotate=True)),
