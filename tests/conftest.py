@@ -105,6 +105,8 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
     mark_sweeps_slow_beyond_a_cover(items)
+    # Last, so that the graphs the other tests compile are compiled once (a stable sort).
+    items.sort(key=lambda item: item.get_closest_marker("resets_dynamo") is not None)
 
 
 def slow_except(values, *fast):
