@@ -5,6 +5,9 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +26,11 @@ def _seed():
 
 
 def pytest_configure(config):
+    import_the_triton_kernels()
+    config.stash[KERNEL_BUILD] = build_the_cpu_kernel_in_the_background()
+
+
+def import_the_triton_kernels():
     """Import the Triton kernels once, before any test module, under the interpreter when
     there is no GPU: Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so this is
     the one moment it can be chosen. The variable is restored right after, so that nothing
@@ -39,6 +47,28 @@ def pytest_configure(config):
         os.environ.pop("TRITON_INTERPRET", None)
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
+
+
+KERNEL_BUILD = pytest.StashKey[subprocess.Popen | None]()
+
+
+def build_the_cpu_kernel_in_the_background() -> subprocess.Popen | None:
+    """Where the C++ CPU step is not built yet (a fresh clone or extensions cache: ~30 s on 2
+    cores, then cached under ``TORCH_EXTENSIONS_DIR``), build it in a process of its own while
+    pytest imports and collects the test modules, which keeps one core busy for ~15 s.
+    ``pytest_collection_finish`` waits for it, so no test loads a library still being linked."""
+    from lowbit_optim.step import cpu_kernel
+
+    if cpu_kernel.library_path().is_file():
+        return None
+    build = "from lowbit_optim.step import cpu_kernel; cpu_kernel.load()"
+    return subprocess.Popen([sys.executable, "-c", build], cwd=pathlib.Path(__file__).parent.parent)
+
+
+def pytest_collection_finish(session):
+    build = session.config.stash.get(KERNEL_BUILD, None)
+    if build is not None:
+        build.wait()
 
 
 # Every backend, for behaviour decided in Python before the step dispatches (checks, refusals,
@@ -75,6 +105,8 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
     mark_sweeps_slow_beyond_a_cover(items)
+    # Last, so that the graphs the other tests compile are compiled once (a stable sort).
+    items.sort(key=lambda item: item.get_closest_marker("resets_dynamo") is not None)
 
 
 def slow_except(values, *fast):

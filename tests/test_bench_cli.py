@@ -125,12 +125,18 @@ def test_ctrl_c_stops_with_one_line_and_keeps_the_partial_rows(tmp_path):
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": path})
-    deadline = time.monotonic() + 120
-    while not (out / "results.json").is_file() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1)  # a few more turns
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "results.json").is_file() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)  # a few more turns
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        # A run that ignored the signal would otherwise train its 100,000 steps after the test.
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
     assert process.returncode == bench_main.INTERRUPTED, stderr[-2000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     last = stderr.strip().splitlines()[-1]

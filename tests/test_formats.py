@@ -346,8 +346,10 @@ def test_unknown_format_and_bad_block_size():
         QuantizedState.zeros((10,), DYNAMIC_4BIT_SIGNED, 7)
 
 
-# Slow tier: run_and_get_code resets Dynamo, so every graph compiled before it is compiled again.
+# Slow tier, and after every other test: run_and_get_code resets Dynamo, so every graph compiled
+# before it would be compiled again.
 @pytest.mark.slow
+@pytest.mark.resets_dynamo
 @pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
 def test_compiled_cpu_step_has_no_scalar_fallbacks(optimizer):
     """Guards the compiled step's CPU speed in Inductor's generated C++: no float64 ``std::pow``

@@ -53,7 +53,7 @@ from kernel_helpers import (
     reference_step,
 )
 
-from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFp8, release_gradients
+from lowbit_optim import AdamW4bit, AdamW8bit, release_gradients
 from lowbit_optim.step.master_weights import CORRECTION_KEY, correction_dtype, read_master, split_master
 
 pytest.importorskip("triton")  # the kernels' package: imported by conftest under the interpreter
@@ -251,12 +251,13 @@ def change_rmse(actual, expected, start):
 @pytest.mark.usefixtures("interpreter")
 # Each case compiles a graph of its own: AdamW4bit's bfloat16 one (which the checkpoint test
 # below compiles too) in the fast tier.
-# Each case compiles the master-weight graphs of its class and dtype (~25 s on 2 cores): slow tier;
-# the kernel's master weights are checked against the float32 step split in the fast tier above.
+# Each case compiles the master-weight graphs of its class and dtype (~25 s on 2 cores): slow tier,
+# one case per dtype; the kernel's master weights of every format are checked against the
+# float32 step split in the fast tier above, and the checkpoint test below runs AdamW4bit's
+# bfloat16 ones against the compiled step.
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer_class, dtype", [
-    (AdamW8bit, torch.bfloat16), (AdamW4bit, torch.bfloat16),
-    (AdamWFp8, torch.bfloat16), (AdamW4bit, torch.float16),
+    (AdamW8bit, torch.bfloat16), (AdamW4bit, torch.float16),
 ], ids=lambda value: getattr(value, "__name__", str(value)))
 def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class, dtype):
     """``STEPS`` steps, kernel against compiled step, float32 parameters (the bound's
