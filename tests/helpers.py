@@ -4,6 +4,7 @@ import socket
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import distribute_tensor
 from torch.optim import lr_scheduler
 
 from lowbit_optim import AdamWFactored4bit, FactoredState, QuantizedState
@@ -228,3 +229,15 @@ def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *,
     cpu_kernel.cpu_rule_step(param, grad, moments, rule.step_constants(scalars, scalars.step),
                              functor=rule.cpu_functor, weight_correction=weight_correction,
                              options=cpu_kernel.KernelOptions(maximize, stochastic_round, isa))
+
+
+def step_with(model, optimizer, grads: list[dict]) -> None:
+    """One ``optimizer.step()`` per dict of ``grads`` (name -> full gradient), each parameter's
+    gradient set first (an FSDP2 DTensor parameter gets its rank's shard of it)."""
+    for step_grads in grads:
+        for name, param in model.named_parameters():
+            grad = step_grads[name]
+            if hasattr(param, "device_mesh"):
+                grad = distribute_tensor(grad, param.device_mesh, param.placements)
+            param.grad = grad
+        optimizer.step()

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, seeded_mlp
+from helpers import free_port, seeded_mlp, step_with
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -45,16 +45,6 @@ def newton_schulz(update: torch.Tensor) -> torch.Tensor:
 
 def weights(model) -> dict:
     return {name: param for name, param in model.named_parameters() if param.ndim == 2}
-
-
-def step_with(model, optimizer, grads: list[dict]) -> None:
-    for step_grads in grads:
-        for name, param in model.named_parameters():
-            grad = step_grads[name]
-            if hasattr(param, "device_mesh"):  # an FSDP2 DTensor: this rank's shard of it
-                grad = distribute_tensor(grad, param.device_mesh, param.placements)
-            param.grad = grad
-        optimizer.step()
 
 
 def _worker(rank: int, port: int, out: str) -> None:

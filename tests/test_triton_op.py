@@ -23,6 +23,7 @@ from lowbit_optim.step.rules.lion import LION
 
 pytest.importorskip("triton")
 from kernel_helpers import (  # noqa: E402
+    AdEMAMIX_CHANGE_RMSE,
     assert_params_close,
     assert_states_equal,
     gradient,
@@ -31,7 +32,6 @@ from kernel_helpers import (  # noqa: E402
     make_case,
     op_keywords,
 )
-from test_triton_rules import AdEMAMIX_CHANGE_RMSE  # noqa: E402
 
 from lowbit_optim.step.kernels.ops import stored_tensors  # noqa: E402
 

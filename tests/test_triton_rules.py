@@ -26,7 +26,7 @@ from lowbit_optim.step.master_weights import split_master
 from lowbit_optim.step.rule_step import RuleEntry, RulePlan, rule_graph_count
 
 pytest.importorskip("triton")
-from kernel_helpers import assert_states_equal, gradient  # noqa: E402
+from kernel_helpers import AdEMAMIX_CHANGE_RMSE, assert_states_equal, gradient  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from lowbit_optim.step.kernels import launcher  # noqa: E402
@@ -38,7 +38,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered in di
 
 CLASSES = (Lion8bit, Lion4bit, AdEMAMix8bit, AdEMAMix4bit)
 BLOCK_SIZE = {Lion8bit: 256, Lion4bit: 128, AdEMAMix8bit: 256, AdEMAMix4bit: 128}
-AdEMAMIX_CHANGE_RMSE = 2e-6
 # Per step: (lr, betas, weight_decay, alpha); AdEMAMix's warm-ups (t_alpha = t_beta3 = 2) end
 # within the three steps, so both schedules change the constants too.
 SCHEDULE = [(1e-2, (0.9, 0.99, 0.999), 0.1, 5.0), (5e-3, (0.8, 0.95, 0.99), 0.0, 4.0),
