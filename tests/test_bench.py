@@ -217,6 +217,7 @@ def test_unknown_optimizer_is_refused():
     assert names == ["lowbit_4bit", "torch_adamw", "lowbit_8bit"]
 
 
+@pytest.mark.slow
 def test_release_gradients_run_holds_no_gradient_between_steps(tmp_path):
     """``--release-gradients`` (bf16 weights, 24-bit master weights): the training bytes are the
     weights, corrections and moments only, the held gradients (2 B/param in bf16) gone; the
@@ -236,6 +237,7 @@ def test_release_gradients_run_holds_no_gradient_between_steps(tmp_path):
     assert released["final_train_loss"] == pytest.approx(held["final_train_loss"], rel=1e-2)
 
 
+@pytest.mark.slow
 def test_precision_rows_train_bfloat16_and_compare_with_their_float32_run(tmp_path):
     """``--optimizers precision``'s bf16 rows fix their own parameter dtype (the run's stays
     float32 for the reference rows), keep the state their write needs (an int16 correction is

@@ -25,6 +25,7 @@ def runs_of(out: pathlib.Path) -> dict[str, dict]:
     return {run["optimizer"]: run for run in json.loads((out / "results.json").read_text())["config"]["runs"]}
 
 
+@pytest.mark.slow
 def test_interleaved_optimizers_train_exactly_as_each_one_alone(tmp_path, monkeypatch):
     """Turns of 2 steps across three optimizers (stochastic rounding among them, which draws
     random numbers): every first step comes before any turn, the turns alternate, and each
@@ -116,6 +117,7 @@ def test_another_presets_results_are_not_replaced_without_overwrite(tmp_path, ca
     assert bench_main.parse_args(["--quick", "--overwrite", "--out", str(tmp_path)]).preset == "quick"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_with_one_line_and_keeps_the_partial_rows(tmp_path):
     """SIGINT while the optimizers take turns: exit status 130, no traceback, one line saying
     what was kept, and results.json and table.md hold every optimizer's partial row."""

@@ -180,6 +180,7 @@ def test_every_registered_name_is_in_the_docs():
     assert documented == registered == set(BUILDS)
 
 
+@pytest.mark.slow
 def test_import_does_not_import_transformers():
     code = ("import sys, lowbit_optim.integrations.transformers; "
             "assert 'transformers' not in sys.modules, 'imported transformers'")

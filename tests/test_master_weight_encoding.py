@@ -170,6 +170,7 @@ def test_float16_nan_becomes_one_quiet_nan():
     assert (param.view(torch.int16) == 0x7E00).all() and not correction.any()
 
 
+@pytest.mark.slow
 def test_compiled_encodings_match_eager_bit_for_bit():
     """Inductor's casts, rounding and signed zeros give the eager encoding's bits."""
     values = torch.cat([float16_neighbourhoods(), torch.tensor([float("nan"), float("inf"), 1e30, -0.0])])

@@ -285,6 +285,7 @@ def test_optimizer_with_master_weights_follows_the_compiled_step(optimizer_class
             assert same_bits(master, expected), f"param {index}: 32-bit master weight"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("interpreter")
 def test_checkpoints_move_between_the_kernel_and_the_compiled_step():
     """A state dict saved with one backend loads into the other unchanged, and the next step
