@@ -56,19 +56,14 @@ def build_the_cpu_kernel_in_the_background() -> subprocess.Popen | None:
     """Where the C++ CPU step is not built yet (a fresh clone or extensions cache: ~30 s on 2
     cores, then cached under ``TORCH_EXTENSIONS_DIR``), build it in a process of its own while
     pytest imports and collects the test modules, which keeps one core busy for ~15 s.
-    ``pytest_collection_finish`` waits for it, so no test loads a library still being linked."""
+    Collection waits for it at its end (``pytest_collection_modifyitems``), so no test loads a
+    library still being linked."""
     from lowbit_optim.step import cpu_kernel
 
     if cpu_kernel.library_path().is_file():
         return None
     build = "from lowbit_optim.step import cpu_kernel; cpu_kernel.load()"
     return subprocess.Popen([sys.executable, "-c", build], cwd=pathlib.Path(__file__).parent.parent)
-
-
-def pytest_collection_finish(session):
-    build = session.config.stash.get(KERNEL_BUILD, None)
-    if build is not None:
-        build.wait()
 
 
 # Every backend, for behaviour decided in Python before the step dispatches (checks, refusals,
@@ -107,6 +102,9 @@ def pytest_collection_modifyitems(config, items):
     mark_sweeps_slow_beyond_a_cover(items)
     # Last, so that the graphs the other tests compile are compiled once (a stable sort).
     items.sort(key=lambda item: item.get_closest_marker("resets_dynamo") is not None)
+    build = config.stash.get(KERNEL_BUILD, None)
+    if build is not None:
+        build.wait()
 
 
 def slow_except(values, *fast):
