@@ -55,7 +55,7 @@ from lowbit_optim.bench import harness
 from lowbit_optim.formats.catalog import get_format
 from lowbit_optim.step.hyperparams import GroupScalars
 from lowbit_optim.step.kernels import launcher
-from lowbit_optim.step.math import adamw_kernel_constants, adamw_kernel_update
+from lowbit_optim.step.rules.adamw import adamw_kernel_constants, adamw_kernel_update
 from lowbit_optim.step.rules.ademamix import ADEMAMIX
 from lowbit_optim.step.rules.lion import LION
 

@@ -5,7 +5,7 @@ compared with. ``lowbit_optim.step.kernels`` is imported by
 ``conftest.pytest_configure``, under the interpreter when there is no GPU.
 
 Tolerances (derived in the docstrings of ``lowbit_optim/step/kernels/moment_codes.py`` and of
-``lowbit_optim.step.math.adamw_kernel_update``).
+``lowbit_optim.step.rules.adamw.adamw_kernel_update``).
 Scales must be identical: the moments are computed operation for operation as in the
 reference. A code may differ from the reference's only by one step of its map, and only for
 a value whose normalised magnitude is within ``CODE_EDGE_RELATIVE * |x| +

@@ -25,7 +25,8 @@ from lowbit_optim import (
 from lowbit_optim.state import QuantizedState, sharding
 from lowbit_optim.step import cpu_kernel
 from lowbit_optim.step.dispatch import resolve_backend
-from lowbit_optim.step.math import adam_ratio_bound, adamw_kernel_constants
+from lowbit_optim.step.math import adam_ratio_bound
+from lowbit_optim.step.rules.adamw import adamw_kernel_constants
 
 pytest.importorskip("triton")
 from kernel_helpers import (  # noqa: E402

@@ -42,7 +42,7 @@ _INTERPRETED = _KERNEL_KIND.__name__ == "InterpretedFunction"
 class KernelUpdate(NamedTuple):
     """An update rule as the kernel takes it: ``function``, its ``@triton.jit`` element-wise
     piece (``step_kernel``'s ``UPDATE``), and ``variant``, the piece's compile-time switch
-    (AdamW: ``math.ADAMW_L2_DECAY`` for torch.optim.Adam's weight decay; 0 for none)."""
+    (AdamW: ``rules.adamw.ADAMW_L2_DECAY`` for torch.optim.Adam's weight decay; 0 for none)."""
 
     function: object
     variant: int = 0

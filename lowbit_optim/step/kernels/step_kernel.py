@@ -11,7 +11,7 @@ codes (``m_i = table_i[code_i] * scale_i``, ``moment_codes.load_moment``) and ``
 
 then each moment is requantized per block (``moment_codes.store_moment``) and the parameter
 written back in its dtype (``param_access``). ``UPDATE`` is the rule's element-wise math, a
-``tl.constexpr`` argument: ``math.adamw_kernel_update`` (AdamW and Adam),
+``tl.constexpr`` argument: ``rules.adamw.adamw_kernel_update`` (AdamW and Adam),
 ``rules.lion.lion_kernel_update``, ``rules.ademamix.ademamix_kernel_update``. It receives the
 float32 parameter, the gradient (possibly non-finite: the selects above put the old values
 back), the rule's moments as a tuple, its per-step ``constants`` (a tuple of floats formed on

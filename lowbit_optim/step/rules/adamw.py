@@ -2,7 +2,7 @@
 moments, ``exp_avg`` (signed) and ``exp_avg_sq``, plus ``max_exp_avg_sq`` with amsgrad.
 
 Its math is ``step.math``'s (``adam_update_values``; ``adamw_update`` with the shared policies
-is the specification), its Triton piece ``math.adamw_kernel_update`` and its C++ functor
+is the specification), its Triton piece ``adamw_kernel_update`` (below) and its C++ functor
 ``csrc/rules/adamw.h``. Two things of the param group are rule data, as variants of the rule
 (``AdamWRule.for_step``): the weight decay's kind (decoupled, or torch.optim.Adam's L2 term)
 and the ratio clamp at Adam's own bound (``math.adam_ratio_bound``), which quantized moments
@@ -12,9 +12,16 @@ factored second moment (``AdamWFactored4bit``) steps with the variant ``AdamWFac
 ``adamw`` is its functional entry point, in ``torch.optim.adamw.adamw``'s shape.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional: without it the rule has no kernel piece
+    triton = None
 
 from lowbit_optim.step.functional import StepCache, step_params
 from lowbit_optim.step.hyperparams import StepOptions, check_hyperparameters
@@ -22,15 +29,123 @@ from lowbit_optim.step.math import (
     _step_constants_op,
     adam_ratio_bound,
     adam_update_values,
-    adamw_kernel_constants,
-    adamw_kernel_update,
-    adamw_kernel_variant,
     bias_corrections,
     first_moment_update,
     l2_decayed_gradient,
     parameter_update,
 )
 from lowbit_optim.step.rules.base import MomentSpec, UpdateRule
+
+if triton is not None:
+    from lowbit_optim.step.math import approx_divide
+
+
+class AdamWKernelConstants(NamedTuple):
+    """``adamw_kernel_update``'s per-step constants, Python floats formed in float64 as
+    ``adamw_update`` forms them from its 0-d tensors (Triton rounds each to float32, as torch
+    rounds a 0-d double operand). Decoupled (AdamW) weight decay scales the parameter by
+    ``decay``; with L2 (Adam) weight decay ``decay`` is the weight decay, added to the gradient
+    times the parameter (the kernel's ``UPDATE_VARIANT`` says which: ``ADAMW_L2_DECAY``)."""
+
+    step_size: float
+    decay: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    inv_bias_correction2_sqrt: float
+    eps: float
+    max_ratio: float
+
+
+# ``adamw_kernel_update``'s variant for torch.optim.Adam's L2 weight decay (0: decoupled).
+ADAMW_L2_DECAY = 1
+
+
+def adamw_kernel_variant(decoupled_weight_decay: bool, weight_decay: float) -> int:
+    """``adamw_kernel_update``'s variant: ``ADAMW_L2_DECAY`` for torch.optim.Adam's weight decay
+    where it adds something (a zero decay steps as AdamW's), else 0."""
+    return ADAMW_L2_DECAY if not decoupled_weight_decay and weight_decay != 0 else 0
+
+
+def adamw_kernel_constants(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                           step: float, *, l2_decay: bool = False,
+                           max_ratio: float | None = None) -> AdamWKernelConstants:
+    """The constants of one step count (``l2_decay``: torch.optim.Adam's weight decay, the
+    kernel variant ``ADAMW_L2_DECAY``; ``max_ratio``: ``adam_ratio_bound`` at ``step`` where the
+    caller has it, ``rules.adamw.AdamWConstants.max_ratio``, else computed here from the numbers
+    as 0-d tensors of the step's dtypes)."""
+    if max_ratio is None:
+        max_ratio = float(adam_ratio_bound(torch.tensor(beta1, dtype=torch.float64),
+                                           torch.tensor(beta2, dtype=torch.float64),
+                                           torch.tensor(step, dtype=torch.float32)))
+    return AdamWKernelConstants(
+        step_size=lr / (1 - beta1**step),
+        decay=weight_decay if l2_decay else 1 - lr * weight_decay,
+        one_minus_beta1=1 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1 - beta2,
+        inv_bias_correction2_sqrt=1 / math.sqrt(1 - beta2**step),
+        eps=eps,
+        max_ratio=max_ratio,
+    )
+
+
+if triton is not None:
+    _ADAMW_L2_DECAY = tl.constexpr(ADAMW_L2_DECAY)
+
+    @triton.jit
+    def adamw_kernel_update(param, grad, moments, constants, VARIANT: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
+        """``math.adamw_update`` on float32 values: ``(new_param, (exp_avg, exp_avg_sq[, max_exp_avg_sq]))``
+        from ``moments`` in that order (three: amsgrad); ``constants``: ``AdamWKernelConstants``.
+        The moments are computed operation for operation as the reference computes them (the
+        kernel compiles with multiply-add contraction off), so their block scales match bit for
+        bit. The parameter's bound: ``sqrt`` is ``sqrt.approx.f32`` (relative error <= 2**-22;
+        a subnormal ``v'`` may flush to 0, which moves ``denom`` by less than 2**-63 / sqrt(1 -
+        beta2**t)), ``1 / sqrt(1 - beta2**t)`` is formed on the host and ``+ eps`` is one FMA,
+        and ``m' / denom`` is ``approx_divide`` (<= 2 ulp for ``denom`` in [2**-126, 2**126],
+        which holds for ``eps >= 2**-126``: ``denom <= sqrt(FLT_MAX) / sqrt(1 - beta2**t)``; a
+        subnormal ``m'`` flushes to 0, an error below 2**-126 / eps in the quotient). The
+        quotient ``q`` is then within ``2**-20`` relative of the reference's, and ``p' =
+        fma(-step, q, p * decay)``, so ``|p'_kernel - p'_reference| <= 2**-20 |lr / (1 -
+        beta1**t) * q| + 1 ulp`` of the parameter dtype. Under the interpreter (numpy: every
+        operation IEEE, the division exact) only the host reciprocal and the FMAs differ:
+        ``2**-22`` relative.
+        ``VARIANT == ADAMW_L2_DECAY`` (torch.optim.Adam): ``decay`` is the weight decay, added
+        to the gradient as ``decay * param``, and the parameter is not scaled. One constant
+        serves both meanings: a separate one cost the 8-bit float32 kernel two spills under
+        its register cap (sm_90)."""
+        (step_size, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps,
+         max_ratio) = constants
+        exp_avg = moments[0]
+        exp_avg_sq = moments[1]
+        if VARIANT == _ADAMW_L2_DECAY:
+            grad = grad + decay * param
+        new_exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
+        # torch addcmul order, ((1 - beta2) * g) * g: g * g first overflows float32 sooner.
+        new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
+        second_moment = new_exp_avg_sq
+        new_max = new_exp_avg_sq
+        if len(moments) == 3:
+            # (The enum is spelled out in each call: a local holding it becomes a tensor when
+            # compiled.)
+            new_max = tl.maximum(moments[2], new_exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)
+            second_moment = new_max
+        # Approximate sqrt and division, and two explicit FMAs: the bound is in the docstring.
+        denom = tl.fma(tl.sqrt(second_moment), inv_bias_correction2_sqrt, eps)
+        decayed = param if VARIANT == _ADAMW_L2_DECAY else param * decay
+        # Clamped at Adam's own bound, as parameter_update clamps (NaN kept as torch's clamp
+        # keeps it).
+        ratio = approx_divide(new_exp_avg, denom, INTERPRETED)
+        ratio = tl.maximum(ratio, -max_ratio, propagate_nan=tl.PropagateNan.ALL)
+        ratio = tl.minimum(ratio, max_ratio, propagate_nan=tl.PropagateNan.ALL)
+        new_param = tl.fma(-step_size, ratio, decayed)
+        if len(moments) == 3:
+            return new_param, (new_exp_avg, new_exp_avg_sq, new_max)
+        else:
+            return new_param, (new_exp_avg, new_exp_avg_sq)
+else:
+    adamw_kernel_update = None
 
 
 class AdamWConstants(NamedTuple):

@@ -23,7 +23,7 @@ below an element's own (a square that overflows float32), not a tuning knob.
 (defined where Triton is installed): the moments operation for operation as
 ``AdEMAMixRule.update`` (so the kernel's block scales are the compiled step's bit for bit), the
 parameter with the approximate square root and divisions of AdamW's piece
-(``math.adamw_kernel_update``, where the bound is) and two host reciprocals.
+(``rules.adamw.adamw_kernel_update``, where the bound is) and two host reciprocals.
 """
 
 from typing import NamedTuple
