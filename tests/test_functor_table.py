@@ -1,7 +1,9 @@
 """The C++ kernel's functors declare the host values they read, in their order (``kConstants`` in
 ``csrc/rules/<name>.h``, returned by ``cpu_functor_constants``); Python passes each rule's
 ``step_constants`` NamedTuple, and ``cpu_kernel.check_functor_constants`` refuses a tuple whose
-fields are not the functor's, in its order, before anything is stepped."""
+fields are not the functor's, in its order, before anything is stepped. Likewise a moment's encoder:
+Python builds the kernel's row of float32 slots by the field names, widths and enum names the
+kernel gives (``cpu_encoder_layout``), and refuses a kernel whose fields are not ``EncoderRow``'s."""
 
 import types
 from typing import NamedTuple
@@ -84,3 +86,28 @@ def test_a_step_with_reordered_constants_is_refused_before_any_change():
 def test_an_unknown_functor_is_refused_naming_the_known_ones():
     with pytest.raises(RuntimeError, match="no functor 'muon_typo' \\(it has adamw, lion, ademamix"):
         cpu_kernel.functor_constants("muon_typo")
+
+
+def test_an_encoder_row_fills_the_kernels_slots_by_name():
+    layout = cpu_kernel.encoder_layout()
+    assert layout.fields == cpu_kernel.EncoderRow._fields
+    row = cpu_kernel.EncoderRow("small_table", True, 0.25, (-0.5, 0.5), "abs")
+    slots = cpu_kernel.encoder_values(row, layout)
+    offsets = dict(zip(layout.fields, [sum(layout.widths[:i]) for i in range(len(layout.widths))]))
+    assert len(slots) == sum(layout.widths)
+    assert slots[offsets["encoder"]] == layout.encoders.index("small_table")
+    assert slots[offsets["cell_sign"]] == layout.cell_signs.index("abs")
+    assert (slots[offsets["zero_free"]], slots[offsets["first_edge"]]) == (1.0, 0.25)
+    width = layout.widths[layout.fields.index("midpoints")]
+    midpoints = slots[offsets["midpoints"]:offsets["midpoints"] + width]
+    assert midpoints[:2] == [-0.5, 0.5] and all(value == float("inf") for value in midpoints[2:])
+
+
+def test_a_kernel_reading_other_encoder_fields_is_refused_naming_both(monkeypatch):
+    fields, widths, encoders, cell_signs = torch.ops.lowbit_optim.cpu_encoder_layout()
+    moved = [fields[1], fields[0], *fields[2:]]
+    monkeypatch.setattr(torch.ops.lowbit_optim, "cpu_encoder_layout",
+                        lambda: (moved, widths, encoders, cell_signs))
+    with pytest.raises(RuntimeError, match="reads an encoder's fields") as refusal:
+        cpu_kernel.encoder_layout.__wrapped__()
+    assert str(moved) in str(refusal.value) and str(list(cpu_kernel.EncoderRow._fields)) in str(refusal.value)

@@ -49,10 +49,8 @@ ISAS = ("scalar", "avx2", "avx512")
 ISA_ENV = "LOWBIT_OPTIM_CPU_ISA"
 MAX_BLOCK_SIZE = 2048
 
-# cpu_step_args.h's Encoder and CellSign.
-_CELLS, _SMALL_TABLE, _LINEAR16, _E4M3 = 0, 1, 2, 3
-_CELL_SIGNS = {cell_tables.CLAMPED: 0, cell_tables.ABS: 1, cell_tables.SIGNED: 2}
-ENCODER_FLOATS = 20
+# The kernel's names of cell_tables' ways to read signs (cpu_step_op.cpp's kCellSignNames).
+_CELL_SIGN_NAMES = {cell_tables.CLAMPED: "clamped", cell_tables.ABS: "abs", cell_tables.SIGNED: "signed"}
 # cpu_step_kernel.h's cell layout constants are these.
 if (cell_tables.INDEX_BITS, cell_tables.FLOOR_BINADE, cell_tables.SIGNED_POSITIVE_START) != (7, -23, 1 << 15):
     raise ImportError("lowbit_optim.formats.cell_tables' layout changed: "
@@ -158,33 +156,78 @@ def _encodes_by_cells(codec) -> bool:
     return isinstance(inner, codecs.DynamicExponentCodec)
 
 
-def encoder_constants(codec) -> tuple[list[float], torch.Tensor]:
-    """``cpu_step_args.h``'s ``EncoderConstants`` of a codec, as float32 values, and its cell
-    table (one unused word where it encodes otherwise)."""
-    zero_free, first_edge, cells, cell_sign = 0.0, 0.0, torch.zeros(1, dtype=torch.int32), 0.0
-    midpoints = [float("inf")] * 16
+class EncoderRow(NamedTuple):
+    """One moment's encoder as the kernel takes it (``cpu_step_args.h``'s ``EncoderConstants``),
+    by field: ``encoder`` and ``cell_sign`` by the kernel's names for them, the numbers as the
+    float32 values the reference encoders (``formats/codecs.py``) compare with."""
+
+    encoder: str  # "cells", "small_table", "linear16" or "e4m3"
+    zero_free: bool  # codes below first_edge become 0 first (ZeroFreeCodec)
+    first_edge: float
+    midpoints: tuple[float, ...]  # small_table: its ascending midpoints (the kernel pads with +inf)
+    cell_sign: str  # cells: how its table reads negative values
+
+
+class EncoderLayout(NamedTuple):
+    """The kernel's layout of a row of the operators' ``encoders`` (``cpu_encoder_layout``):
+    its fields' names and widths in float32 slots, and the names of the encoders and cell signs
+    in the order of the values that stand for them."""
+
+    fields: tuple[str, ...]
+    widths: tuple[int, ...]
+    encoders: tuple[str, ...]
+    cell_signs: tuple[str, ...]
+
+
+@functools.cache
+def encoder_layout() -> EncoderLayout:
+    """The layout the loaded kernel reads, checked against ``EncoderRow``: a field added, renamed
+    or moved on either side would otherwise feed an encoder the wrong values."""
+    fields, widths, encoders, cell_signs = torch.ops.lowbit_optim.cpu_encoder_layout()
+    layout = EncoderLayout(tuple(fields), tuple(widths), tuple(encoders), tuple(cell_signs))
+    if layout.fields != EncoderRow._fields:
+        raise RuntimeError(f"lowbit_optim: the C++ CPU kernel reads an encoder's fields "
+                           f"{list(layout.fields)}, but Python builds {list(EncoderRow._fields)}; make "
+                           "cpu_step_op.cpp's kEncoderFields and cpu_kernel.EncoderRow agree")
+    return layout
+
+
+def encoder_row(codec) -> tuple[EncoderRow, torch.Tensor]:
+    """A codec's ``EncoderRow`` and its cell table (one unused word where it encodes otherwise)."""
+    zero_free, first_edge, midpoints, unused_cells = False, 0.0, (), torch.zeros(1, dtype=torch.int32)
     if _encodes_by_cells(codec):
-        words, sign = _cells(codec)
-        if sign not in _CELL_SIGNS:
+        cells, sign = _cells(codec)
+        if sign not in _CELL_SIGN_NAMES:
             raise ValueError(f"the CPU kernel has no cell encoder for {type(codec).__name__}'s signs")
-        encoder, cells, cell_sign = _CELLS, words, float(_CELL_SIGNS[sign])
+        return EncoderRow("cells", zero_free, first_edge, midpoints, _CELL_SIGN_NAMES[sign]), cells
+    if isinstance(codec, codecs.ZeroFreeCodec):
+        zero_free, first_edge, codec = True, _f32(codec.first_edge), codec.inner
+    if isinstance(codec, codecs.LinearNonzeroCodec):
+        if codec.table.numel() != 16:
+            raise ValueError("the CPU kernel's linear encoder is for 16 levels")
+        encoder = "linear16"
+    elif isinstance(codec, codecs.SmallTableCodec):
+        encoder, midpoints = "small_table", tuple(_f32(m) for m in codec._midpoints)
+    elif isinstance(codec, codecs.Float8Codec):
+        encoder = "e4m3"
     else:
-        if isinstance(codec, codecs.ZeroFreeCodec):
-            zero_free, first_edge, codec = 1.0, _f32(codec.first_edge), codec.inner
-        if isinstance(codec, codecs.LinearNonzeroCodec):
-            if codec.table.numel() != 16:
-                raise ValueError("the CPU kernel's linear encoder is for 16 levels")
-            encoder = _LINEAR16
-        elif isinstance(codec, codecs.SmallTableCodec):
-            encoder = _SMALL_TABLE
-            midpoints[:len(codec._midpoints)] = [_f32(m) for m in codec._midpoints]
-        elif isinstance(codec, codecs.Float8Codec):
-            encoder = _E4M3
+        raise ValueError(f"the CPU kernel has no encoder for {type(codec).__name__}")
+    return EncoderRow(encoder, zero_free, first_edge, midpoints, "clamped"), unused_cells
+
+
+def encoder_values(row: EncoderRow, layout: EncoderLayout) -> list[float]:
+    """``row`` as the kernel's float32 slots, in ``layout``'s order and widths."""
+    named = {"encoder": layout.encoders, "cell_sign": layout.cell_signs}
+    slots = []
+    for name, width in zip(layout.fields, layout.widths):
+        value = getattr(row, name)
+        if name == "midpoints":
+            if len(value) > width:
+                raise ValueError(f"the CPU kernel's small-table encoder takes at most {width} midpoints")
+            slots += [*value, *[float("inf")] * (width - len(value))]
         else:
-            raise ValueError(f"the CPU kernel has no encoder for {type(codec).__name__}")
-    values = [float(encoder), zero_free, first_edge, *midpoints, cell_sign]
-    assert len(values) == ENCODER_FLOATS
-    return values, cells
+            slots.append(float(named[name].index(value) if name in named else value))
+    return slots
 
 
 class FormatConstants(NamedTuple):
@@ -202,10 +245,11 @@ class FormatConstants(NamedTuple):
 def format_constants(formats: tuple[QuantFormat, ...]) -> dict:
     """``FormatConstants`` of a rule's moment formats (in its moment order), made once, as the
     operators' keyword arguments."""
-    constants = [encoder_constants(fmt.codec) for fmt in formats]
-    encoders = torch.tensor([values for values, _ in constants], dtype=torch.float32)
+    rows = [encoder_row(fmt.codec) for fmt in formats]
+    layout = encoder_layout()
+    encoders = torch.tensor([encoder_values(row, layout) for row, _ in rows], dtype=torch.float32)
     tables = [fmt.table.to(torch.float32).contiguous() for fmt in formats]
-    return FormatConstants(tables, encoders, [cells for _, cells in constants], formats[0].bits)._asdict()
+    return FormatConstants(tables, encoders, [cells for _, cells in rows], formats[0].bits)._asdict()
 
 
 def supports(formats: tuple[QuantFormat, ...], block_size: int, param: torch.Tensor,

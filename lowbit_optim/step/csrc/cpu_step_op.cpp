@@ -8,7 +8,8 @@
 // positional (at most six), everything else keyword-only and named. The functor and the
 // instruction set are named by strings, looked up in the functor table (cpu_step_kernel.h's
 // kFunctors) and kIsas here; cpu_functor_constants(functor) gives the names of the host values
-// a functor reads, in its order, for Python to check what it passes.
+// a functor reads, in its order, for Python to check what it passes, and cpu_encoder_layout the
+// fields of a row of `encoders`, for Python to build its rows by name.
 // AdamWFactored4bit's two passes have operators of their own on the same entry points:
 // cpu_factored_step (the block step with the factored functor and the parameter's statistics)
 // and cpu_factored_statistics (tiles of rows); cpu_factored_columns, between them, accumulates
@@ -22,7 +23,10 @@
 #include <cstring>
 #include <algorithm>
 #include <mutex>
+#include <iterator>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "cpu_step_args.h"
@@ -32,7 +36,40 @@ namespace {
 
 constexpr int64_t kMaxBlockSize = 2048;  // cpu_step_kernel.h's kMaxBlock
 constexpr int64_t kElementsPerTask = int64_t{1} << 16;
-constexpr int64_t kEncoderFloats = 20;   // EncoderConstants as float32 values (cpu_kernel.py)
+
+// One moment's row of the operators' `encoders`: EncoderConstants' fields as float32 slots, in
+// this order and width, by the names Python builds a row from (cpu_encoder_layout; the enum
+// values by the names below, in their order).
+struct EncoderField {
+  const char* name;
+  int64_t width;
+};
+constexpr EncoderField kEncoderFields[] = {
+    {"encoder", 1}, {"zero_free", 1}, {"first_edge", 1}, {"midpoints", 16}, {"cell_sign", 1}};
+// A field's first slot (the row's width for "": the slots of every field).
+constexpr int64_t encoder_offset(std::string_view name) {
+  int64_t offset = 0;
+  for (const EncoderField& field : kEncoderFields) {
+    if (name == field.name) return offset;
+    offset += field.width;
+  }
+  return name.empty() ? offset : -1;
+}
+constexpr int64_t kEncoderFloats = encoder_offset("");
+constexpr int64_t kEncoderSlot = encoder_offset("encoder"), kZeroFreeSlot = encoder_offset("zero_free"),
+                  kFirstEdgeSlot = encoder_offset("first_edge"), kMidpointsSlot = encoder_offset("midpoints"),
+                  kCellSignSlot = encoder_offset("cell_sign");
+static_assert(kEncoderSlot >= 0 && kZeroFreeSlot >= 0 && kFirstEdgeSlot >= 0 && kMidpointsSlot >= 0 &&
+              kCellSignSlot >= 0);
+constexpr const char* kEncoderNames[] = {"cells", "small_table", "linear16", "e4m3"};  // Encoder
+constexpr const char* kCellSignNames[] = {"clamped", "abs", "signed"};                // CellSign
+static_assert(std::size(kEncoderNames) == kE4M3 + 1 && std::size(kCellSignNames) == kCellsSigned + 1);
+constexpr int64_t encoder_width(std::string_view name) {
+  for (const EncoderField& field : kEncoderFields)
+    if (name == field.name) return field.width;
+  return 0;
+}
+static_assert(encoder_width("midpoints") == sizeof(EncoderConstants::midpoints) / sizeof(float));
 // A cell table's words: one half of cells, or two halves 2**15 cells apart (cell_tables.py).
 constexpr int64_t kCellsPerHalf = 2945;
 constexpr int64_t kSignedCells = (int64_t{1} << 15) + kCellsPerHalf;
@@ -87,13 +124,14 @@ int32_t functor_row(c10::string_view name) {
 
 const Functor& functor_of(int32_t row) { return scalar_functors().rows[row]; }
 
+// A row of `encoders`, its fields at kEncoderFields' offsets.
 EncoderConstants read_encoder(const float* values) {
   EncoderConstants c;
-  c.encoder = static_cast<int32_t>(values[0]);
-  c.zero_free = static_cast<int32_t>(values[1]);
-  c.first_edge = values[2];
-  std::memcpy(c.midpoints, values + 3, 16 * sizeof(float));
-  c.cell_sign = static_cast<int32_t>(values[19]);
+  c.encoder = static_cast<int32_t>(values[kEncoderSlot]);
+  c.zero_free = static_cast<int32_t>(values[kZeroFreeSlot]);
+  c.first_edge = values[kFirstEdgeSlot];
+  std::memcpy(c.midpoints, values + kMidpointsSlot, sizeof(c.midpoints));
+  c.cell_sign = static_cast<int32_t>(values[kCellSignSlot]);
   c.cells = nullptr;
   return c;
 }
@@ -465,6 +503,19 @@ void cpu_factored_columns(at::TensorList cols, at::TensorList column_means, at::
   }
 }
 
+// kEncoderFields' names and widths, and the encoders' and cell signs' names in their values' order.
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<std::string>, std::vector<std::string>>
+cpu_encoder_layout() {
+  std::vector<std::string> names;
+  std::vector<int64_t> widths;
+  for (const EncoderField& field : kEncoderFields) {
+    names.emplace_back(field.name);
+    widths.push_back(field.width);
+  }
+  return {names, widths, std::vector<std::string>(std::begin(kEncoderNames), std::end(kEncoderNames)),
+          std::vector<std::string>(std::begin(kCellSignNames), std::end(kCellSignNames))};
+}
+
 // The names of the host values `functor` reads, in the order it reads them (its kConstants).
 std::vector<std::string> cpu_functor_constants(c10::string_view functor) {
   const Functor& row = functor_of(functor_row(functor));
@@ -493,6 +544,8 @@ TORCH_LIBRARY_FRAGMENT(lowbit_optim, m) {
       "Tensor beta2) -> ()");
   // No tensor argument to dispatch on: one kernel for every backend.
   m.def("cpu_functor_constants(str functor) -> str[]", &lowbit_cpu::cpu_functor_constants);
+  m.def("cpu_encoder_layout() -> (str[] fields, int[] widths, str[] encoders, str[] cell_signs)",
+        &lowbit_cpu::cpu_encoder_layout);
 }
 
 TORCH_LIBRARY_IMPL(lowbit_optim, CPU, m) {
