@@ -125,8 +125,12 @@ def test_ctrl_c_stops_with_one_line_and_keeps_the_partial_rows(tmp_path):
     command = [sys.executable, "-m", "lowbit_optim.bench", "--quick", "--device", "cpu", "--steps", "100000",
                "--block-steps", "2", "--optimizers", "torch_adamw", "lowbit_4bit", "--out", str(out)]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # SIGINT back to its default in the child, as a terminal gives it: a suite started as a
+    # background job (``pytest &``) has it ignored, which the child would inherit, and Python
+    # then installs no KeyboardInterrupt handler.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": path})
+                               env={**os.environ, "PYTHONPATH": path},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (out / "results.json").is_file() and process.poll() is None and time.monotonic() < deadline:
