@@ -25,9 +25,24 @@ def _seed():
     yield
 
 
+# ``-n auto`` (README's test command): a worker per core, at most this many (each compiles and
+# holds its own graphs, and whole files are handed out: more workers wait on the longest file).
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
 def pytest_configure(config):
+    if is_the_xdist_controller(config):
+        return  # it runs no test: the workers import and build what they use
     import_the_triton_kernels()
     config.stash[KERNEL_BUILD] = build_the_cpu_kernel_in_the_background()
+
+
+def is_the_xdist_controller(config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 def import_the_triton_kernels():
@@ -57,7 +72,8 @@ def build_the_cpu_kernel_in_the_background() -> subprocess.Popen | None:
     cores, then cached under ``TORCH_EXTENSIONS_DIR``), build it in a process of its own while
     pytest imports and collects the test modules, which keeps one core busy for ~15 s.
     Collection waits for it at its end (``pytest_collection_modifyitems``), so no test loads a
-    library still being linked."""
+    library still being linked. Under xdist every worker starts one: the first builds, the
+    others wait for its lock (``torch.utils.cpp_extension``) and load what it built."""
     from lowbit_optim.step import cpu_kernel
 
     if cpu_kernel.library_path().is_file():
