@@ -25,13 +25,26 @@ def _seed():
     yield
 
 
-# ``-n auto`` (README's test command): a worker per core, at most this many (each compiles and
-# holds its own graphs, and whole files are handed out: more workers wait on the longest file).
+# ``-n auto`` (README's test command, pytest-xdist): a worker per core, at most this many (each
+# compiles and holds its own graphs, and whole files are handed out: more workers wait on the
+# longest file). Most of a test's time is Python tracing and compiling graphs, on one core.
 MAX_WORKERS = 8
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Each test file on one worker (xdist's ``--dist loadfile``, unless another mode is asked
+    for), so that the graphs a file's tests share are compiled once."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
 
 
 def pytest_configure(config):
