@@ -4,6 +4,8 @@ import socket
 from typing import NamedTuple
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import distribute_tensor
 from torch.optim import lr_scheduler
 
@@ -229,6 +231,13 @@ def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *,
     cpu_kernel.cpu_rule_step(param, grad, moments, rule.step_constants(scalars, scalars.step),
                              functor=rule.cpu_functor, weight_correction=weight_correction,
                              options=cpu_kernel.KernelOptions(maximize, stochastic_round, isa))
+
+
+def dcp_load(model, optimizer, path) -> None:
+    """The DCP recipe: state dicts as targets, load in place, hand them back."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def step_with(model, optimizer, grads: list[dict]) -> None:

@@ -44,14 +44,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import relative_rmse
-from helpers import free_port, seeded_mlp
+from helpers import dcp_load, free_port, seeded_mlp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     get_state_dict,
     set_optimizer_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -239,7 +238,7 @@ def _two_rank_runs(rank: int, out: Path) -> dict:
         train(model, optimizer, RESUME_STEPS, SAVE_AT)
         results[f"dcp-{fmt}-uninterrupted"] = snapshot(model, optimizer)
         model, optimizer = new_fsdp(fmt)
-        _load(model, optimizer, out / f"dcp-{fmt}")
+        dcp_load(model, optimizer, out / f"dcp-{fmt}")
         results[f"dcp-{fmt}-loaded-2"] = snapshot(model, optimizer)
         train(model, optimizer, RESUME_STEPS, SAVE_AT)
         results[f"dcp-{fmt}-resumed-2"] = snapshot(model, optimizer)
@@ -321,25 +320,18 @@ def _gradient_release_runs() -> dict:
     return results
 
 
-def _load(model, optimizer, path) -> None:
-    """The DCP recipe: state dicts as targets, load in place, hand them back."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-
-
 def _one_rank_runs(rank: int, out: Path) -> dict:
     results = {}
     for fmt in OPTIMIZERS:
         # 2 -> 1 rank, into a sharded (1-rank mesh) model and into a plain one.
         model, optimizer = new_fsdp(fmt)
-        _load(model, optimizer, out / f"dcp-{fmt}")
+        dcp_load(model, optimizer, out / f"dcp-{fmt}")
         results[f"dcp-{fmt}-loaded-1"] = snapshot(model, optimizer)
         train(model, optimizer, RESUME_STEPS, SAVE_AT)
         results[f"dcp-{fmt}-resumed-1"] = snapshot(model, optimizer)
         model = make_model()
         optimizer = OPTIMIZERS[fmt](model.parameters(), **OPTIONS, backend="eager")
-        _load(model, optimizer, out / f"dcp-{fmt}")
+        dcp_load(model, optimizer, out / f"dcp-{fmt}")
         results[f"dcp-{fmt}-loaded-plain"] = snapshot(model, optimizer)
 
     # The torchao crash: 4-bit then 8-bit (then factored) compiled steps in one process, one compile cache,

@@ -8,7 +8,9 @@ MLP 64 -> 128 -> 40 whose weights have quantized momentum (each rank's rows, 64 
 20 x 128, are whole blocks, so the codes are the single process's); the 128 x 64 one is tall, so
 its LR scale must come from the global shape, not the shard's; the biases take the AdamW part.
 The gradients are made once here and set on every rank's shards, no forward or backward (see
-tests/test_distributed.py for why): the result must be the single process's bit for bit.
+tests/test_distributed.py for why): the result must be the single process's bit for bit. A
+distributed checkpoint (DCP) saved after those steps and loaded into a fresh sharded model and
+optimizer must continue exactly as the run that was not interrupted.
 """
 
 import gc
@@ -18,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import num_threads
-from helpers import free_port, seeded_mlp, step_with
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from helpers import dcp_load, free_port, seeded_mlp, step_with
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
@@ -73,14 +76,42 @@ def _worker(rank: int, port: int, out: str) -> None:
                         if "momentum_buffer" in entry},
             "momentum": type(optimizer.state[model[0].weight]["momentum_buffer"].to_local()).__name__,
         }
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(out) / f"dcp-{name}")
+        step_with(model, optimizer, inputs["grads_after_save"])
+        resumed_model = seeded_mlp(*MLP_WIDTHS)
+        fully_shard(resumed_model)
+        resumed = cls(resumed_model, **OPTIONS)
+        dcp_load(resumed_model, resumed, Path(out) / f"dcp-{name}")
+        step_with(resumed_model, resumed, inputs["grads_after_save"])
+        uninterrupted, after_load = _run_tensors(model, optimizer), _run_tensors(resumed_model, resumed)
+        results[name]["resumed_equal"] = (len(uninterrupted) == len(after_load) and
+                                          all(map(torch.equal, uninterrupted, after_load)))
+        results[name]["resumed_tensors"] = len(after_load)
     if rank == 0:
         torch.save(results, Path(out) / "results.pt")
     # FSDP2's modules hold gloo work: freed after the group is torn down they can abort the
     # process (pytorch/pytorch#179291), so they go first.
-    del model, optimizer, full
+    del model, optimizer, full, resumed_model, resumed
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _run_tensors(model, optimizer) -> list[torch.Tensor]:
+    """A run's rank-local state: each parameter shard, and its step count and moments (a
+    quantized one as its codes and scales)."""
+    tensors = []
+    for param in model.parameters():
+        tensors.append(_local(param.detach()))
+        for value in optimizer.state[param].values():
+            local = _local(value)
+            tensors += [local.codes, local.scales] if isinstance(local, QuantizedState) else [local]
+    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +123,9 @@ def fsdp_runs(tmp_path_factory):
     shapes = {name: param.shape for name, param in seeded_mlp(*MLP_WIDTHS).named_parameters()}
     grads = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
              for _ in range(STEPS)]
-    inputs = {"directions": directions, "grads": grads}
+    grads_after_save = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+                        for _ in range(2)]
+    inputs = {"directions": directions, "grads": grads, "grads_after_save": grads_after_save}
     torch.save(inputs, out / "inputs.pt")
     mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2)
     return inputs, torch.load(out / "results.pt")
@@ -135,3 +168,11 @@ def test_fsdp2_muon_trains_like_a_single_process_bit_for_bit(fsdp_runs, name):
         assert torch.equal(results[name]["params"][key], param.detach()), key
         moved += float((param.detach() - seeded_mlp(*MLP_WIDTHS).state_dict()[key]).abs().sum())
     assert moved > 0
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_fsdp2_muon_resumed_from_a_distributed_checkpoint_continues_bit_for_bit(fsdp_runs, name):
+    _, results = fsdp_runs
+    # Four parameters, each with its tensors: a vacuous comparison would count none.
+    assert results[name]["resumed_tensors"] >= 8
+    assert results[name]["resumed_equal"]
