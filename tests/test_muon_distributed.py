@@ -10,7 +10,11 @@ its LR scale must come from the global shape, not the shard's; the biases take t
 The gradients are made once here and set on every rank's shards, no forward or backward (see
 tests/test_distributed.py for why): the result must be the single process's bit for bit. A
 distributed checkpoint (DCP) saved after those steps and loaded into a fresh sharded model and
-optimizer must continue exactly as the run that was not interrupted.
+optimizer must continue exactly as the run that was not interrupted. With gradient release each
+matrix steps in its own gradient hook, after FSDP2's reduce-scatter, gathering its direction there
+(every rank's hooks in the same order): each rank must end exactly as ordinary stepping, forward
+and backward included, leaves it on that rank. Each rank compares its own two runs, and the
+ranks agree on the verdict before rank 0 reports it.
 """
 
 import gc
@@ -28,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from lowbit_optim import Muon4bit, Muon8bit, QuantizedState
+from lowbit_optim import Muon4bit, Muon8bit, QuantizedState, release_gradients
+from lowbit_optim.optim.released_gradient import is_released
 from lowbit_optim.state.sharding import wrap_like
 from lowbit_optim.step.muon_sharded import orthogonalize
 from lowbit_optim.step.newton_schulz import NS_COEFFICIENTS, zeropower_via_newtonschulz
@@ -84,15 +89,17 @@ def _worker(rank: int, port: int, out: str) -> None:
         resumed = cls(resumed_model, **OPTIONS)
         dcp_load(resumed_model, resumed, Path(out) / f"dcp-{name}")
         step_with(resumed_model, resumed, inputs["grads_after_save"])
-        uninterrupted, after_load = _run_tensors(model, optimizer), _run_tensors(resumed_model, resumed)
-        results[name]["resumed_equal"] = (len(uninterrupted) == len(after_load) and
-                                          all(map(torch.equal, uninterrupted, after_load)))
-        results[name]["resumed_tensors"] = len(after_load)
+        results[name]["resumed_equal"], results[name]["resumed_tensors"] = _same_on_every_rank(
+            _run_tensors(model, optimizer), _run_tensors(resumed_model, resumed))
+        ordinary = _trained_by_backward(cls, inputs["batches"], release=False)
+        released = _trained_by_backward(cls, inputs["batches"], release=True)
+        results[name]["released_equal"], _ = _same_on_every_rank(_run_tensors(*ordinary),
+                                                                  _run_tensors(*released))
     if rank == 0:
         torch.save(results, Path(out) / "results.pt")
     # FSDP2's modules hold gloo work: freed after the group is torn down they can abort the
     # process (pytorch/pytorch#179291), so they go first.
-    del model, optimizer, full, resumed_model, resumed
+    del model, optimizer, full, resumed_model, resumed, ordinary, released
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -114,6 +121,29 @@ def _run_tensors(model, optimizer) -> list[torch.Tensor]:
     return tensors
 
 
+def _same_on_every_rank(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> tuple[bool, int]:
+    """Whether two runs' rank-local tensors are equal on every rank, and how many were compared."""
+    same = len(tensors) == len(others) and all(map(torch.equal, tensors, others))
+    verdict = torch.tensor(float(same))
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    return bool(verdict), len(tensors)
+
+
+def _trained_by_backward(cls, batches: list[torch.Tensor], release: bool) -> tuple:
+    model = seeded_mlp(*MLP_WIDTHS)
+    fully_shard(model)
+    optimizer = cls(model, **OPTIONS)
+    if release:
+        release_gradients(optimizer)
+    for batch in batches:
+        model(batch).square().mean().backward()
+        # Released: every gradient was stepped and freed in its hook, a placeholder left for it.
+        assert all(is_released(param.grad) for param in model.parameters()) == release
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("muon_fsdp")
@@ -125,7 +155,9 @@ def fsdp_runs(tmp_path_factory):
              for _ in range(STEPS)]
     grads_after_save = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
                         for _ in range(2)]
-    inputs = {"directions": directions, "grads": grads, "grads_after_save": grads_after_save}
+    batches = [torch.randn(8, MLP_WIDTHS[0], generator=generator) for _ in range(STEPS)]
+    inputs = {"directions": directions, "grads": grads, "grads_after_save": grads_after_save,
+              "batches": batches}
     torch.save(inputs, out / "inputs.pt")
     mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2)
     return inputs, torch.load(out / "results.pt")
@@ -176,3 +208,9 @@ def test_fsdp2_muon_resumed_from_a_distributed_checkpoint_continues_bit_for_bit(
     # Four parameters, each with its tensors: a vacuous comparison would count none.
     assert results[name]["resumed_tensors"] >= 8
     assert results[name]["resumed_equal"]
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_fsdp2_muon_with_gradient_release_steps_as_ordinary_stepping_bit_for_bit(fsdp_runs, name):
+    _, results = fsdp_runs
+    assert results[name]["released_equal"]
