@@ -233,6 +233,20 @@ def cpu_adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars, *,
                              options=cpu_kernel.KernelOptions(maximize, stochastic_round, isa))
 
 
+def step_on_random_gradients(params, optimizer, steps: int = 3, *, seed: int = 1, scheduler=None,
+                             grad=None) -> None:
+    """``steps`` steps, each parameter's gradient drawn anew before each (from ``seed``'s
+    generator, or ``grad(param)``), in the parameter's dtype; ``scheduler`` stepped after each."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for param in params:
+            param.grad = (torch.randn(param.shape, generator=generator) if grad is None else grad(param)).to(
+                param.dtype)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
 def dcp_load(model, optimizer, path) -> None:
     """The DCP recipe: state dicts as targets, load in place, hand them back."""
     model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -5,7 +5,7 @@ momentum on every backend is tests/test_muon_backends.py's."""
 import pytest
 import torch
 from conftest import num_threads
-from helpers import assert_same_state
+from helpers import assert_same_state, step_on_random_gradients
 from torch import nn
 
 from lowbit_optim import AdamW8bit, Muon4bit, Muon8bit, muon_param_groups
@@ -37,17 +37,6 @@ def matrices(seed=0, dtype=torch.float32):
     return [nn.Parameter((torch.randn(shape, generator=generator) * 0.1).to(dtype)) for shape in SHAPES]
 
 
-def train(params, optimizer, steps=3, *, seed=1, scheduler=None, grad=None):
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for param in params:
-            param.grad = (torch.randn(param.shape, generator=generator) if grad is None else grad(param)).to(
-                param.dtype)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-
-
 def momenta(optimizer, params):
     return [optimizer.state[param]["momentum_buffer"] for param in params]
 
@@ -62,7 +51,8 @@ def test_muon_with_float_momentum_equals_torch_muon_bit_for_bit(adjust_lr_fn, ne
     for make in (lambda p: torch.optim.Muon(p, **hyper), lambda p: Muon8bit(p, **hyper, **FLOAT_MOMENTUM)):
         params = matrices()
         optimizer = make(params)
-        train(params, optimizer, 4, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7)
+        step_on_random_gradients(params, optimizer, 4, scheduler=scheduler)
         runs.append((params, momenta(optimizer, params)))
     (expected, expected_momenta), (actual, actual_momenta) = runs
     for index in range(len(SHAPES)):
@@ -73,8 +63,8 @@ def test_muon_with_float_momentum_equals_torch_muon_bit_for_bit(adjust_lr_fn, ne
 def test_muon_with_float_momentum_leaves_torch_muon_with_another_momentum():
     """Sensitivity control for the test above: a different momentum shows."""
     expected, actual = matrices(), matrices()
-    train(expected, torch.optim.Muon(expected, lr=0.02))
-    train(actual, Muon8bit(actual, lr=0.02, momentum=0.9, **FLOAT_MOMENTUM))
+    step_on_random_gradients(expected, torch.optim.Muon(expected, lr=0.02))
+    step_on_random_gradients(actual, Muon8bit(actual, lr=0.02, momentum=0.9, **FLOAT_MOMENTUM))
     assert not torch.equal(actual[0], expected[0])
 
 
@@ -84,8 +74,8 @@ def test_code_written_for_torch_muon_runs_unchanged_with_its_arguments():
     args = (0.02, 0.05, 0.9, False, (3.4, -4.7, 2.0))
     keywords = dict(eps=1e-6, ns_steps=4, adjust_lr_fn="match_rms_adamw")
     expected, actual = matrices(), matrices()
-    train(expected, torch.optim.Muon(expected, *args, **keywords))
-    train(actual, Muon4bit(actual, *args, **keywords, **FLOAT_MOMENTUM))
+    step_on_random_gradients(expected, torch.optim.Muon(expected, *args, **keywords))
+    step_on_random_gradients(actual, Muon4bit(actual, *args, **keywords, **FLOAT_MOMENTUM))
     for want, got in zip(expected, actual):
         assert torch.equal(got, want)
 
@@ -159,7 +149,7 @@ def test_a_1d_parameter_with_use_muon_true_is_refused_before_any_change():
         Muon8bit([{"params": list(model.named_parameters()), "use_muon": True}])
     optimizer = Muon8bit([model.fc1.weight, model.fc2.weight])
     params = matrices()
-    train(params[:1], Muon8bit(params[:1]))
+    step_on_random_gradients(params[:1], Muon8bit(params[:1]))
     groups_before = [dict(group) for group in optimizer.param_groups]
     with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
         optimizer.add_param_group({"params": [model.fc2.bias, model.norm.weight], "use_muon": True})
@@ -181,14 +171,14 @@ def test_bad_hyperparameters_are_refused_in_torch_words_before_any_change(bad, m
     # Edited into a group mid-training: refused at the next step, nothing stepped.
     params = matrices()
     optimizer = Muon8bit(params + [nn.Parameter(torch.zeros(5))], **FLOAT_MOMENTUM)
-    train(params, optimizer, 1)
+    step_on_random_gradients(params, optimizer, 1)
     group = optimizer.param_groups[0 if "adamw_betas" not in bad else 1]
     key, value = next(iter(bad.items()))
     group[key.removeprefix("adamw_")] = value
     before = [p.clone() for p in params]
     state_before = [m.clone() for m in momenta(optimizer, params)]
     with pytest.raises(ValueError, match=message):
-        train(params, optimizer, 1)
+        step_on_random_gradients(params, optimizer, 1)
     for param, old, momentum, old_momentum in zip(params, before, momenta(optimizer, params), state_before):
         assert torch.equal(param, old) and torch.equal(momentum, old_momentum)
         assert float(optimizer.state[param]["step"]) == 1
@@ -201,7 +191,7 @@ def test_non_finite_gradients_keep_parameters_finite_and_the_momentum_of_their_e
     params = matrices()
     optimizer = Muon8bit(params, lr=0.02, backend=backend,
                          **(FLOAT_MOMENTUM if storage == "float" else dict(min_quant_size=1024)))
-    train(params, optimizer, 1)
+    step_on_random_gradients(params, optimizer, 1)
     def values(momentum):
         return momentum if storage == "float" else momentum.dequantize()
 
@@ -212,7 +202,7 @@ def test_non_finite_gradients_keep_parameters_finite_and_the_momentum_of_their_e
         grad[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
         return grad
 
-    train(params, optimizer, 2, grad=gradient)
+    step_on_random_gradients(params, optimizer, 2, grad=gradient)
     for param, momentum, old in zip(params, momenta(optimizer, params), kept):
         assert torch.isfinite(param).all()
         assert torch.isfinite(values(momentum)).all()
@@ -235,13 +225,13 @@ def test_bf16_model_with_24_bit_master_weights_follows_the_float32_run():
 
     expected = [nn.Parameter(p.detach().float()) for p in matrices(dtype=torch.bfloat16)]
     torch.manual_seed(0)
-    train(expected, Muon8bit(expected, lr=0.02, min_quant_size=256), grad=bf16_gradient)
+    step_on_random_gradients(expected, Muon8bit(expected, lr=0.02, min_quant_size=256), grad=bf16_gradient)
     errors = {}
     for bits in (24, None):
         actual = matrices(dtype=torch.bfloat16)
         optimizer = Muon8bit(actual, lr=0.02, min_quant_size=256, master_weight_bits=bits)
         torch.manual_seed(0)
-        train(actual, optimizer, grad=bf16_gradient)
+        step_on_random_gradients(actual, optimizer, grad=bf16_gradient)
         if bits is not None:
             assert all(optimizer.state[p][CORRECTION_KEY].dtype == torch.int8 for p in actual)
             actual = [read_master(p, optimizer.state[p][CORRECTION_KEY]) for p in actual]
@@ -305,7 +295,7 @@ def test_state_dict_round_trip_is_bit_exact_and_resumes_the_same_trajectory(cls)
 def test_torch_muon_state_dict_loads_and_converts_back():
     torch_params = matrices()
     torch_muon = torch.optim.Muon(torch_params, lr=0.02)
-    train(torch_params, torch_muon, 2)
+    step_on_random_gradients(torch_params, torch_muon, 2)
     # Into float momentum: the same trajectory from there on, bit for bit.
     ours = [nn.Parameter(p.detach().clone()) for p in torch_params]
     optimizer = Muon8bit(ours, lr=0.02, **FLOAT_MOMENTUM)
@@ -316,9 +306,9 @@ def test_torch_muon_state_dict_loads_and_converts_back():
     back_params = [nn.Parameter(p.detach().clone()) for p in ours]
     back = torch.optim.Muon(back_params, lr=0.02)
     back.load_state_dict(to_torch_muon(optimizer.state_dict()))
-    train(ours, optimizer, 2, seed=5)
-    train(back_params, back, 2, seed=5)
-    train(torch_params, torch_muon, 2, seed=5)
+    step_on_random_gradients(ours, optimizer, 2, seed=5)
+    step_on_random_gradients(back_params, back, 2, seed=5)
+    step_on_random_gradients(torch_params, torch_muon, 2, seed=5)
     for a, b, c in zip(ours, back_params, torch_params):
         assert torch.equal(a, c) and torch.equal(b, c)
     # Into quantized momentum: quantized once, within the format's rounding.
@@ -335,7 +325,7 @@ def test_torch_muon_state_dict_loads_and_converts_back():
 def test_an_adamw_state_dict_does_not_become_muon_state():
     params = matrices()
     adamw = AdamW8bit(params)
-    train(params, adamw, 1)
+    step_on_random_gradients(params, adamw, 1)
     optimizer = Muon8bit(params)
     with pytest.raises(ValueError, match="state has no momentum_buffer"):
         optimizer.load_state_dict(adamw.state_dict())

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers import step_on_random_gradients
 from torch import nn
 
 from lowbit_optim import AdamW4bit, AdamW8bit, AdamWFactored4bit, QuantizedState
@@ -99,14 +100,6 @@ def test_same_parameter_in_two_groups_is_refused_before_anything_changes():
 
 
 # --- load_state_dict and the caller's dict ------------------------------------------------------
-def train(optimizer, params, steps: int, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for param in params:
-            param.grad = torch.randn(param.shape, generator=generator)
-        optimizer.step()
-
-
 def assert_identical(a, b, where="state dict") -> None:
     """Bit-identical nested state dicts (quantized moments by codes and scales)."""
     if isinstance(a, dict):
@@ -134,14 +127,14 @@ def test_load_state_dict_leaves_the_callers_state_dict_untouched(cls):
     model = nn.Linear(96, 64)
     params = list(model.parameters())
     optimizer = cls(params, min_quant_size=1024, backend="eager")
-    train(optimizer, params, 3, seed=1)
+    step_on_random_gradients(params, optimizer, 3, seed=1)
     saved = optimizer.state_dict()
     weights = [p.detach().clone() for p in params]
     snapshot = copy.deepcopy(saved)
 
     resumed = cls(params, min_quant_size=1024, backend="eager")
     resumed.load_state_dict(saved)
-    train(resumed, params, 4, seed=2)
+    step_on_random_gradients(params, resumed, 4, seed=2)
     assert_identical(saved, snapshot)
     first_run = [p.detach().clone() for p in params]
 
@@ -149,7 +142,7 @@ def test_load_state_dict_leaves_the_callers_state_dict_untouched(cls):
         param.data.copy_(weight)
     again = cls(params, min_quant_size=1024, backend="eager")
     again.load_state_dict(saved)
-    train(again, params, 4, seed=2)
+    step_on_random_gradients(params, again, 4, seed=2)
     for param, expected in zip(params, first_run):
         assert torch.equal(param, expected)
     assert_identical(again.state_dict(), resumed.state_dict())
