@@ -330,7 +330,8 @@ def _fsdp_master_weight_runs(rank: int, out) -> dict:
     with 32-bit master weights, stepped with the same (dtype-valued) gradient shards; then a
     DCP save and load."""
     import torch.distributed.checkpoint as dcp
-    from test_distributed import OPTIONS, _load, batch, gathered, make_model, shard
+    from helpers import dcp_load
+    from test_distributed import OPTIONS, batch, gathered, make_model, shard
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from lowbit_optim.state.sharding import local, wrap_like
@@ -378,7 +379,7 @@ def _fsdp_master_weight_runs(rank: int, out) -> dict:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
         model = low_model(dtype)
         optimizer = AdamW4bit(model.parameters(), **options)
-        _load(model, optimizer, checkpoint)
+        dcp_load(model, optimizer, checkpoint)
         loaded = [optimizer.state[p][CORRECTION_KEY].to_local() for p in model.parameters()]
         found["dcp"] = all(torch.equal(a, b) for a, b in zip(saved, loaded))
         results[str(dtype)] = found
