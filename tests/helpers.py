@@ -1,4 +1,6 @@
-"""Helpers shared by several test modules (test modules never import each other)."""
+"""Helpers shared by several test modules. (Two modules still read another's setup:
+test_master_weights.py runs test_distributed.py's 2-rank worker, test_huggingface_muon.py its
+HF counterpart's tiny model and data.)"""
 
 import socket
 from typing import NamedTuple

@@ -34,7 +34,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from lowbit_optim import Muon4bit, Muon8bit, QuantizedState, release_gradients
 from lowbit_optim.optim.released_gradient import is_released
-from lowbit_optim.state.sharding import wrap_like
+from lowbit_optim.state.sharding import local, wrap_like
 from lowbit_optim.step.muon_sharded import orthogonalize
 from lowbit_optim.step.newton_schulz import NS_COEFFICIENTS, zeropower_via_newtonschulz
 
@@ -105,19 +105,15 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _run_tensors(model, optimizer) -> list[torch.Tensor]:
     """A run's rank-local state: each parameter shard, and its step count and moments (a
     quantized one as its codes and scales)."""
     tensors = []
     for param in model.parameters():
-        tensors.append(_local(param.detach()))
+        tensors.append(local(param.detach()))
         for value in optimizer.state[param].values():
-            local = _local(value)
-            tensors += [local.codes, local.scales] if isinstance(local, QuantizedState) else [local]
+            shard = local(value)
+            tensors += [shard.codes, shard.scales] if isinstance(shard, QuantizedState) else [shard]
     return tensors
 
 
