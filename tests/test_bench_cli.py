@@ -169,6 +169,29 @@ def test_ctrl_c_before_any_step_ended_says_nothing_was_kept(tmp_path, monkeypatc
     assert list(out.iterdir()) == []  # no earlier run's files to be taken for this one's
 
 
+def test_ctrl_c_during_an_evaluation_keeps_the_steps_and_no_half_point(tmp_path, monkeypatch, capsys):
+    """Interrupted after a run's train loss was measured and before its val loss: the rows keep
+    the steps done, and the loss curve has no point whose val loss is missing."""
+    from lowbit_optim.bench import train as bench_train
+
+    train_loss = bench_train.Evaluator.loss
+
+    def interrupted_at_val(evaluator, model, split):
+        if split == "val":
+            raise KeyboardInterrupt
+        return train_loss(evaluator, model, split)
+
+    monkeypatch.setattr(bench_train.Evaluator, "loss", interrupted_at_val)
+    out = tmp_path / "out"
+    assert bench_main.main([*TINY, "--out", str(out)]) == bench_main.INTERRUPTED
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("stopped (Ctrl-C): kept ")
+    runs = json.loads((out / "results.json").read_text())["config"]["runs"]
+    # The first evaluation was the one interrupted: no run has a val loss, and steps are kept.
+    assert runs and max(run["steps_done"] for run in runs) == 4
+    assert all(run["final_val_loss"] is None for run in runs)
+    assert all(len(set(map(len, run["curve"].values()))) == 1 for run in runs)
+
+
 def test_the_cpu_step_build_is_announced_on_stderr_with_its_cache(monkeypatch, capsys):
     import torch.utils.cpp_extension as cpp_extension
 

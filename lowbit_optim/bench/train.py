@@ -201,10 +201,11 @@ class TrainingRun:
             self.train_step_seconds.append(forward_s + optimizer_s)
         self.steps_done += 1
         if self.steps_done % self.config.eval_every == 0 or self.done:
-            self.curve["step"].append(self.steps_done)
-            self.curve["train_loss"].append(self.evaluator.loss(self.model, "train"))
-            self.curve["val_loss"].append(self.evaluator.loss(self.model, "val"))
-            self.curve["lr"].append(float(lr))
+            point = {"step": self.steps_done, "train_loss": self.evaluator.loss(self.model, "train"),
+                     "val_loss": self.evaluator.loss(self.model, "val"), "lr": float(lr)}
+            # One assignment, so that Ctrl-C during an evaluation (the benchmark keeps what a run
+            # measured) never leaves the curve's lists of different lengths.
+            self.curve = {key: [*values, point[key]] for key, values in self.curve.items()}
         if on_cuda:
             peak = torch.cuda.max_memory_allocated(device) - others
             self.peak_memory_bytes = max(self.peak_memory_bytes or 0, peak)
